@@ -1,0 +1,82 @@
+"""Backend selection: which forward function runs inside the shared ``custom_vjp``.
+
+* ``"xla"``: the pure-JAX forward (every platform, every feature).
+* ``"cute"``: the CuTe DSL kernels through XLA FFI on CUDA devices (``lax.platform_dependent``
+  lowers the same call to the pure-JAX forward on other platforms, so a jitted program stays
+  portable). A feature combination the kernels do not support raises ``NotImplementedError``.
+* ``None``: the kernels when they are built and support the call, else the pure-JAX forward.
+
+The backward is the pure-JAX blockwise backward for both until the backward kernels land.
+"""
+
+from __future__ import annotations
+
+from jax import lax
+
+from jax_padsafe import _xla
+from jax_padsafe._spec import AttentionSpec
+
+
+def _kernel_ops():
+  """The kernel module, or ``None`` when this install has no kernel library."""
+  try:
+    from jax_padsafe._cute import ops  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return ops
+
+
+def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, has_segment_ids):
+  """``None`` if the GPU forward kernel can run this call, else why not (a sentence)."""
+  ops = _kernel_ops()
+  if ops is None:
+    return "the kernel runtime (jax_padsafe._cute) is not part of this install"
+  if not ops.library_available():
+    return ("the kernel library was not built into this install "
+            "(see BUILD.md: build from source with the kernels enabled)")
+  if mask is not None:
+    return "a boolean `mask` is only supported by the pure-JAX path (use lengths or segment ids)"
+  if has_segment_ids:
+    return "segment ids are not yet mapped onto the kernels"
+  n, h = query.shape[-2], query.shape[-1]
+  return ops.unsupported_reason(
+      dtype=query.dtype, head_dim=h, head_dim_v=h, num_heads=n, num_kv_heads=key.shape[-2],
+      causal=spec.causal, window=spec.has_window, softcap=spec.softcap is not None,
+      has_bias=bias is not None)
+
+
+def choose_forward(implementation, spec: AttentionSpec, query, key, *, bias, mask, has_segment_ids):
+  if implementation == "xla":
+    return _xla.xla_forward
+  reason = kernel_unsupported_reason(spec, query, key, bias=bias, mask=mask,
+                                     has_segment_ids=has_segment_ids)
+  if reason is None:
+    return cute_forward
+  if implementation == "cute":
+    raise NotImplementedError(f'implementation="cute" cannot run this call: {reason}. '
+                              'Use implementation=None to fall back to the pure-JAX path.')
+  return _xla.xla_forward
+
+
+def cute_forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
+  """Forward on the GPU kernel for CUDA, the pure-JAX forward elsewhere (same results contract)."""
+  from jax_padsafe._cute import ops  # pylint: disable=g-import-not-at-top
+  b, t, n, h = q.shape
+  s, nk = k.shape[1], k.shape[2]
+
+  def on_cuda(q, k, v):
+    o, lse = ops.flash_forward(
+        q.reshape(b * t, n, h), k.reshape(b * s, nk, h), v.reshape(b * s, nk, v.shape[-1]),
+        kernel_args["cu_seqlens_q"], kernel_args["cu_seqlens_k"],
+        kernel_args["seqused_q"], kernel_args["seqused_k"],
+        max_seqlen_q=int(spec.max_seqlen_q), max_seqlen_k=int(spec.max_seqlen_k),
+        scale=float(spec.scale), causal=spec.causal, bottom_right=spec.bottom_right,
+        window_left=-1 if spec.window_left is None else spec.window_left,
+        window_right=-1 if spec.window_right is None else spec.window_right,
+        softcap=0.0 if spec.softcap is None else float(spec.softcap))
+    return o.reshape(b, t, n, v.shape[-1]), lse.reshape(n, b, t).transpose(1, 0, 2)
+
+  def elsewhere(q, k, v):
+    return _xla.forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos)
+
+  return lax.platform_dependent(q, k, v, cuda=on_cuda, default=elsewhere)

@@ -1,0 +1,43 @@
+"""The visibility rule of the pad-safety contract, written once.
+
+All masking in the pure-JAX path goes through :func:`visible` and is applied with ``jnp.where``
+(a select): a masked logit is replaced, never multiplied by zero, so a NaN that sits behind a mask
+cannot leak (``0 * NaN = NaN`` but ``where(False, NaN, 0) = 0``).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_padsafe._spec import AttentionSpec
+
+
+def row_is_valid(seg):
+  """A row takes part in attention iff its segment id is non-negative."""
+  return seg >= 0
+
+
+def visible(spec: AttentionSpec, q_seg, k_seg, q_pos, k_pos):
+  """Boolean ``[..., T, S]`` visibility from per-row segment ids and positions.
+
+  ``q_seg``/``q_pos`` have shape ``[B, T]``; ``k_seg``/``k_pos`` have shape ``[B, S]``. The result
+  has shape ``[B, T, S]``.
+  """
+  qs = q_seg[:, :, None]
+  ks = k_seg[:, None, :]
+  vis = (qs >= 0) & (ks >= 0) & (qs == ks)
+  qp = q_pos[:, :, None]
+  kp = k_pos[:, None, :]
+  if spec.causal:
+    vis &= kp <= qp
+  if spec.window_left is not None:
+    vis &= kp >= qp - spec.window_left
+  if spec.window_right is not None:
+    vis &= kp <= qp + spec.window_right
+  return vis
+
+
+def zero_invalid_rows(x, seg):
+  """Replace rows of ``x [B, L, ...]`` whose segment is negative by exact zeros (a select)."""
+  valid = row_is_valid(seg).reshape(seg.shape + (1,) * (x.ndim - seg.ndim))
+  return jnp.where(valid, x, jnp.zeros((), x.dtype))

@@ -1,0 +1,119 @@
+"""Argument checking: every bad input becomes a ``ValueError``/``TypeError`` at trace time that names
+the argument and what was expected (never a crash, a hang or a silent wrong answer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+IMPLEMENTATIONS = (None, "xla", "cute")
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def check_implementation(implementation):
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+
+
+def check_alignment(causal_alignment):
+  if causal_alignment not in CAUSAL_ALIGNMENTS:
+    raise ValueError(
+        f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
+
+
+def check_float_inputs(query, key, value, *, rank: int, layout: str):
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim != rank:
+      raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {x.shape}")
+    if x.dtype not in SUPPORTED_DTYPES:
+      raise TypeError(
+          f"{name} dtype must be one of bfloat16, float16, float32, got {x.dtype}")
+  if not (query.dtype == key.dtype == value.dtype):
+    raise TypeError(
+        f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+  if key.shape != value.shape:
+    raise ValueError(f"value shape {value.shape} must equal key shape {key.shape}")
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(
+        f"query head dim {query.shape[-1]} must equal key head dim {key.shape[-1]}")
+  if query.shape[-1] == 0:
+    raise ValueError("head dim must be positive")
+  n, k = query.shape[-2], key.shape[-2]
+  if k == 0 or n % k != 0:
+    raise ValueError(
+        f"number of query heads ({n}) must be a positive multiple of the number of key/value "
+        f"heads ({k})")
+
+
+def normalize_window(local_window_size):
+  """``None | int | (left, right)`` -> ``(left, right)`` with ``None`` for an unbounded side."""
+  if local_window_size is None:
+    return None, None
+  if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool):
+    left = right = int(local_window_size)
+  elif isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2:
+    left, right = local_window_size
+    left = None if left is None or left < 0 else int(left)
+    right = None if right is None or right < 0 else int(right)
+    return left, right
+  else:
+    raise ValueError(
+        "local_window_size must be None, an int, or a (left, right) pair of ints "
+        f"(a negative or None side is unbounded), got {local_window_size!r}")
+  if left < 0:
+    raise ValueError(f"local_window_size must be non-negative, got {local_window_size}")
+  return left, right
+
+
+def check_scalar(name, value, *, positive=False):
+  if value is None:
+    return None
+  try:
+    value = float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise TypeError(f"{name} must be a Python float (static), got {value!r}") from e
+  if not np.isfinite(value) or (positive and value <= 0):
+    raise ValueError(f"{name} must be a finite{' positive' if positive else ''} number, got {value}")
+  return value
+
+
+def is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def int_vector(name, x, length: int | None, *, what: str):
+  """Checks an integer vector argument (lengths, cu_seqlens); returns it as int32."""
+  x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+  if x.ndim != 1 or (length is not None and x.shape[0] != length):
+    expected = f"[{length}]" if length is not None else "rank 1"
+    raise ValueError(f"{name} must have shape {expected} ({what}), got {x.shape}")
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got {x.dtype}")
+  return x.astype(jnp.int32)
+
+
+def check_lengths_in_range(name, lengths, upper: int):
+  """Concrete lengths outside ``[0, upper]`` raise; traced ones are clamped by the caller."""
+  if lengths is None or not is_concrete(lengths):
+    return
+  arr = np.asarray(lengths)
+  if arr.size and (arr.min() < 0 or arr.max() > upper):
+    raise ValueError(f"{name} must lie in [0, {upper}], got {arr.tolist()}")
+
+
+def broadcastable_4d(name, x, target, *, bool_dtype: bool):
+  """``bias``/``mask`` must be rank 4 (or rank 3 for unbatched inputs) and broadcast to ``target``."""
+  x = jnp.asarray(x)
+  if bool_dtype and x.dtype != jnp.bool_:
+    raise TypeError(f"{name} must be a boolean array (True = attend), got {x.dtype}")
+  if not bool_dtype and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a floating array, got {x.dtype}")
+  if x.ndim != 4:
+    raise ValueError(f"{name} must have rank 4 broadcastable to [B, N, T, S] = {target}, got {x.shape}")
+  for have, want in zip(x.shape, target):
+    if have not in (1, want):
+      raise ValueError(f"{name} of shape {x.shape} does not broadcast to [B, N, T, S] = {target}")
+  return x

@@ -1,0 +1,36 @@
+"""Test configuration: every contract test runs once per available implementation."""
+
+import os
+
+import jax
+import pytest
+
+# The suite runs on the CPU everywhere; fake several host devices for the sharding tests.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+
+def _gpu_present():
+  try:
+    return any(d.platform == "gpu" for d in jax.devices())
+  except RuntimeError:
+    return False
+
+
+def _cute_ready():
+  if not _gpu_present():
+    return False, "no CUDA GPU present"
+  from jax_padsafe import _backends
+  ops = _backends._kernel_ops()
+  if ops is None or not ops.library_available():
+    return False, "kernel library not built"
+  return True, ""
+
+
+def implementations():
+  ready, why = _cute_ready()
+  return ["xla", pytest.param("cute", marks=pytest.mark.skipif(not ready, reason=why))]
+
+
+def pytest_generate_tests(metafunc):
+  if "impl" in metafunc.fixturenames:
+    metafunc.parametrize("impl", implementations())

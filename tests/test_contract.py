@@ -1,0 +1,163 @@
+"""The pad-safety contract on the padded layout, for every implementation (``impl`` fixture).
+
+Each case checks the whole contract: outputs and all gradients against the float64 oracle (the
+accuracy rule), exact zeros for padded rows and never-seen keys, lse = -inf for valid empty rows,
+and bitwise identical results for NaN, +-Inf, 1e30 and random huge values in every padded region
+(Q, K, V, dO, dlse, bias).
+"""
+
+import numpy as np
+import pytest
+import jax.numpy as jnp
+
+from tests import helpers
+from tests.helpers import random_problem
+
+
+def contract(p, dtype, impl, **kw):
+  try:
+    return helpers.check_problem(p, dtype, impl, **kw)
+  except NotImplementedError as e:
+    if impl == "cute":
+      pytest.skip(f"not supported by the kernels: {e}")
+    raise
+
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_lengths_dtypes(impl, dtype, causal):
+  rng = np.random.default_rng(1)
+  p = random_problem(rng, b=3, t=37, s=53, q_len=[37, 20, 1], kv_len=[53, 11, 40], causal=causal)
+  contract(p, dtype, impl)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_head_dims(impl, head_dim):
+  rng = np.random.default_rng(head_dim)
+  p = random_problem(rng, b=2, t=19, s=29, n=2, k=1, h=head_dim, q_len=[19, 7], kv_len=[5, 29],
+                     causal=True)
+  contract(p, jnp.bfloat16, impl, poisons=("nan", "huge"))
+
+
+def test_gqa_ratio_7(impl):
+  """28 query heads over 4 key/value heads: dK/dV are summed over each group of 7."""
+  rng = np.random.default_rng(7)
+  p = random_problem(rng, b=2, t=21, s=26, n=28, k=4, h=64, q_len=[21, 9], kv_len=[17, 26])
+  contract(p, jnp.float32, impl)
+
+
+@pytest.mark.parametrize("bottom_right", [False, True], ids=["top_left", "bottom_right"])
+@pytest.mark.parametrize("t,s", [(40, 17), (17, 40)], ids=["q_longer", "k_longer"])
+def test_causal_alignment(impl, bottom_right, t, s):
+  rng = np.random.default_rng(t * s + bottom_right)
+  p = random_problem(rng, b=3, t=t, s=s, q_len=[t, t // 2, 3], kv_len=[s, 2, s - 1],
+                     causal=True, bottom_right=bottom_right)
+  contract(p, jnp.float32, impl)
+
+
+@pytest.mark.parametrize("window", [(3, 2), (0, 0), (5, None), (None, 4)],
+                         ids=["3_2", "0_0", "left_only", "right_only"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_windows(impl, window, causal):
+  rng = np.random.default_rng(11)
+  p = random_problem(rng, b=2, t=31, s=31, q_len=[31, 18], kv_len=[25, 31], window=window,
+                     causal=causal, bottom_right=True)
+  contract(p, jnp.float32, impl)
+
+
+def test_window_symmetric_int(impl):
+  """An int window means (w, w), as in jax.nn."""
+  rng = np.random.default_rng(12)
+  p = random_problem(rng, b=1, t=20, s=20, q_len=[20], kv_len=[14], window=(4, 4))
+  base, _ = contract(p, jnp.float32, impl, poisons=())
+  import jax_padsafe
+  kw = helpers.api_kwargs(p, impl)
+  kw["local_window_size"] = 4
+  out = jax_padsafe.dot_product_attention(jnp.asarray(p.q, jnp.float32), jnp.asarray(p.k, jnp.float32),
+                                          jnp.asarray(p.v, jnp.float32), **kw)
+  helpers.assert_bitwise_equal(np.asarray(out), base["out"], "int window vs (4, 4)")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softcap(impl, causal):
+  rng = np.random.default_rng(13)
+  p = random_problem(rng, b=2, t=23, s=29, q_len=[23, 10], kv_len=[29, 6], softcap=2.5,
+                     causal=causal, scale=0.9)
+  p.q *= 3  # make the cap bite
+  contract(p, jnp.float32, impl)
+
+
+@pytest.mark.parametrize("bias_shape", ["full", "heads", "batch_free", "key_only"])
+def test_bias(impl, bias_shape):
+  rng = np.random.default_rng(14)
+  p = random_problem(rng, b=2, t=17, s=21, n=4, k=2, q_len=[17, 9], kv_len=[21, 13], causal=True)
+  shape = {"full": (2, 4, 17, 21), "heads": (1, 4, 17, 21), "batch_free": (1, 1, 17, 21),
+           "key_only": (2, 1, 1, 21)}[bias_shape]
+  bias = rng.standard_normal(shape)
+  bias[rng.random(shape) < 0.1] = -np.inf  # -inf hides a key exactly like a mask
+  p.bias = bias
+  contract(p, jnp.float32, impl)
+
+
+def test_boolean_mask(impl):
+  rng = np.random.default_rng(15)
+  p = random_problem(rng, b=2, t=19, s=23, n=2, k=2, q_len=[19, 4], kv_len=[23, 9])
+  p.mask = rng.random((2, 1, 19, 23)) < 0.7
+  contract(p, jnp.float32, impl)
+
+
+def test_segment_ids(impl):
+  """Packed sequences in the padded layout; negative ids are padding and match nothing."""
+  rng = np.random.default_rng(16)
+  t = 30
+  ids = np.array([[0] * 10 + [1] * 12 + [2] * 5 + [-1] * 3,
+                  [5] * 7 + [-1] * 4 + [6] * 15 + [-2] * 4])
+  p = random_problem(rng, b=2, t=t, s=t, q_len=[30, 26], kv_len=[30, 30], causal=True)
+  p.q_ids, p.kv_ids = ids, ids.copy()
+  contract(p, jnp.float32, impl)
+
+
+def test_segment_ids_cross(impl):
+  """Different query/key segmentations; a valid query whose segment has no key gets lse = -inf."""
+  rng = np.random.default_rng(17)
+  p = random_problem(rng, b=1, t=12, s=16, q_len=[12], kv_len=[16])
+  p.q_ids = np.array([[0, 0, 0, 1, 1, 1, 2, 2, 9, 9, -1, -1]])
+  p.kv_ids = np.array([[0, 0, 1, 1, 1, 1, 1, 2, 2, 2, -3, -3, 0, 0, 2, -1]])
+  contract(p, jnp.float32, impl)
+
+
+def test_irregular_lengths(impl):
+  """Lengths 0, 1, 127, 129 and 4095 in one batch (4096 rows: tiles cut at every boundary)."""
+  rng = np.random.default_rng(18)
+  p = random_problem(rng, b=5, t=4096, s=4096, n=1, k=1, h=16,
+                     q_len=[0, 1, 127, 129, 4095], kv_len=[4095, 129, 1, 127, 0], causal=True,
+                     bottom_right=True)
+  contract(p, jnp.float32, impl, poisons=("nan", "huge"))
+
+
+def test_empty_and_keyless_rows(impl):
+  """q_len 0, kv_len 0 with q_len > 0 (every valid row keyless), and a window that sees nothing."""
+  rng = np.random.default_rng(19)
+  p = random_problem(rng, b=3, t=9, s=9, q_len=[0, 5, 9], kv_len=[9, 0, 9], causal=True)
+  base, _ = contract(p, jnp.float32, impl)
+  assert np.all(np.isneginf(base["lse"][1, :, :5]))
+  # causal with a key sequence shorter than the query offset: early rows see nothing
+  p2 = random_problem(rng, b=1, t=8, s=8, q_len=[8], kv_len=[3], causal=True, bottom_right=True)
+  contract(p2, jnp.float32, impl)
+
+
+def test_no_lengths_matches_jax_nn(impl):
+  """With no padding at all, results equal jax.nn.dot_product_attention's."""
+  import jax
+  import jax_padsafe
+  rng = np.random.default_rng(20)
+  q = jnp.asarray(rng.standard_normal((2, 16, 4, 32)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((2, 24, 2, 32)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((2, 24, 2, 32)), jnp.float32)
+  for causal in (False, True):
+    ours = jax_padsafe.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+    theirs = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-6, rtol=1e-5)
