@@ -297,3 +297,26 @@ def _packed_rows(cu, used, total, offset):
   seg = jnp.where(valid, seq, -1).astype(jnp.int32)
   pos = jnp.where(valid, local + offset[seq], 0).astype(jnp.int32)
   return seg, pos
+
+
+def canonical_attention(query, key, value, *, q_segment, k_segment, q_position, k_position,
+                        scale=None, is_causal=False, local_window_size=None, softcap=None,
+                        implementation="xla", block_k: int = 512):
+  """Differentiable ``(out [B, T, N, H], lse [B, N, T])`` on the canonical problem (see ``_spec``).
+
+  For building blocks such as ring attention that need explicit per-row segments (``-1`` =
+  padding) and positions (the causal/window coordinates, alignment offset already added). Only the
+  pure-JAX forward is available here (``implementation="xla"``); padding rows of the inputs are
+  sanitised like in the public functions, so the same contract holds.
+  """
+  if implementation != "xla":
+    raise NotImplementedError("canonical_attention runs on the pure-JAX path only")
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  V.check_float_inputs(query, key, value, rank=4, layout="[B, T, N, H]")
+  spec = _make_spec(query.shape[-1], scale, is_causal, local_window_size, softcap, block_k)
+  segs = [jnp.asarray(x, jnp.int32) for x in (q_segment, k_segment, q_position, k_position)]
+  for name, x, like in zip(("q_segment", "k_segment", "q_position", "k_position"), segs,
+                           (query, key, query, key)):
+    if x.shape != like.shape[:2]:
+      raise ValueError(f"{name} must have shape {like.shape[:2]}, got {x.shape}")
+  return _run(spec, _xla.xla_forward, query, key, value, None, None, *segs, None)
