@@ -1,0 +1,142 @@
+"""The contract on the packed (variable-length) layout: tails past cu_seqlens[-1], gaps between
+used rows and the next sequence (seqused), empty sequences; and packed == padded equivalence."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_padsafe
+from tests import helpers, oracle
+
+
+def build(rng, caps_q, used_q, caps_k, used_k, *, tail_q=3, tail_k=5, n=4, k=2, h=32, **kw):
+  """A packed problem plus the padded oracle problem holding the same valid data."""
+  caps_q, used_q, caps_k, used_k = map(np.asarray, (caps_q, used_q, caps_k, used_k))
+  cu_q = np.concatenate([[0], np.cumsum(caps_q)]).astype(np.int32)
+  cu_k = np.concatenate([[0], np.cumsum(caps_k)]).astype(np.int32)
+  total_q, total_k = cu_q[-1] + tail_q, cu_k[-1] + tail_k
+  q = rng.standard_normal((total_q, n, h))
+  kk = rng.standard_normal((total_k, k, h))
+  v = rng.standard_normal((total_k, k, h))
+  b, t, s = len(caps_q), max(1, caps_q.max()), max(1, caps_k.max())
+  pq, pk, pv = np.zeros((b, t, n, h)), np.zeros((b, s, k, h)), np.zeros((b, s, k, h))
+  for i in range(b):
+    pq[i, :used_q[i]] = q[cu_q[i]:cu_q[i] + used_q[i]]
+    pk[i, :used_k[i]] = kk[cu_k[i]:cu_k[i] + used_k[i]]
+    pv[i, :used_k[i]] = v[cu_k[i]:cu_k[i] + used_k[i]]
+  prob = oracle.Problem(q=pq, k=pk, v=pv, q_len=used_q.astype(np.int32),
+                        kv_len=used_k.astype(np.int32), **kw)
+  valid_q = np.zeros(total_q, bool)
+  valid_k = np.zeros(total_k, bool)
+  for i in range(b):
+    valid_q[cu_q[i]:cu_q[i] + used_q[i]] = True
+    valid_k[cu_k[i]:cu_k[i] + used_k[i]] = True
+  return dict(q=q, k=kk, v=v, cu_q=cu_q, cu_k=cu_k, used_q=used_q, used_k=used_k,
+              valid_q=valid_q, valid_k=valid_k, problem=prob)
+
+
+def packed_from_padded(x, cu, used, total):
+  """[B, L, ...] padded -> [total, ...] packed (zeros outside the used rows)."""
+  out = np.zeros((total,) + x.shape[2:], x.dtype)
+  for i in range(len(used)):
+    out[cu[i]:cu[i] + used[i]] = x[i, :used[i]]
+  return out
+
+
+def run_packed(d, dtype, impl, poison, rng, d_out, d_lse, **kw):
+  p = d["problem"]
+  args = dict(seqused_q=jnp.asarray(d["used_q"], jnp.int32), seqused_k=jnp.asarray(d["used_k"], jnp.int32),
+              is_causal=p.causal, softcap=p.softcap,
+              causal_alignment="bottom_right" if p.bottom_right else "top_left",
+              local_window_size=None if p.window is None else tuple(-1 if w is None else w for w in p.window),
+              implementation=impl, return_lse=True,
+              max_seqlen_q=int(p.q.shape[1]), max_seqlen_k=int(p.k.shape[1]), **kw)
+  qv, kv = d["valid_q"][None], d["valid_k"][None]
+  q = jnp.asarray(helpers.poison_rows(d["q"][None], qv, poison, rng)[0], dtype)
+  k = jnp.asarray(helpers.poison_rows(d["k"][None], kv, poison, rng)[0], dtype)
+  v = jnp.asarray(helpers.poison_rows(d["v"][None], kv, poison, rng)[0], dtype)
+  do = jnp.asarray(helpers.poison_rows(d_out[None], qv, poison, rng)[0], dtype)
+  dl = jnp.asarray(np.where(d["valid_q"][None], d_lse, helpers.poison_like(d_lse.shape, poison, rng)),
+                   jnp.float32)
+  cu_q, cu_k = jnp.asarray(d["cu_q"]), jnp.asarray(d["cu_k"])
+
+  @jax.jit
+  def f(q, k, v, do, dl):
+    (o, lse), vjp = jax.vjp(
+        lambda q, k, v: jax_padsafe.varlen_attention(q, k, v, cu_q, cu_k, **args), q, k, v)
+    return (o, lse) + vjp((do, dl))
+
+  return {n: np.asarray(x) for n, x in zip(("out", "lse", "dq", "dk", "dv"), f(q, k, v, do, dl))}
+
+
+CASES = {
+    # caps_q, used_q, caps_k, used_k
+    "gaps": ([9, 14, 1, 7], [9, 10, 0, 3], [12, 5, 3, 8], [7, 5, 2, 8]),
+    "empty_seqs": ([0, 6, 0, 5], [0, 6, 0, 5], [4, 0, 0, 5], [4, 0, 0, 5]),
+    "irregular": ([1, 127, 129], [1, 127, 129], [129, 1, 127], [129, 1, 127]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["full", "causal_tl", "causal_br", "window_softcap"])
+def test_packed_contract(impl, case, mode):
+  rng = np.random.default_rng(hash((case, mode)) % 2**32)
+  kw = dict(full={}, causal_tl=dict(causal=True), causal_br=dict(causal=True, bottom_right=True),
+            window_softcap=dict(window=(4, 2), softcap=3.0))[mode]
+  d = build(rng, *CASES[case], **kw)
+  p = d["problem"]
+  total_q, total_k = len(d["valid_q"]), len(d["valid_k"])
+  n, h = d["q"].shape[1:]
+  d_out = rng.standard_normal((total_q, n, h))
+  d_lse = rng.standard_normal((n, total_q))
+  try:
+    base = run_packed(d, jnp.float32, impl, "zero", rng, d_out, d_lse)
+  except NotImplementedError as e:
+    if impl == "cute":
+      pytest.skip(str(e))
+    raise
+  # Oracle on the padded equivalent.
+  do_pad = np.zeros(p.q.shape)
+  dl_pad = np.zeros((p.q.shape[0], n, p.q.shape[1]))
+  for i in range(len(d["used_q"])):
+    rows = slice(d["cu_q"][i], d["cu_q"][i] + d["used_q"][i])
+    do_pad[i, :d["used_q"][i]] = d_out[rows]
+    dl_pad[i, :, :d["used_q"][i]] = d_lse[:, rows]
+  ref = oracle.reference(p, do_pad, dl_pad)
+  ref_packed = dict(
+      out=packed_from_padded(ref["out"], d["cu_q"], d["used_q"], total_q),
+      dq=packed_from_padded(ref["dq"], d["cu_q"], d["used_q"], total_q),
+      dk=packed_from_padded(ref["dk"], d["cu_k"], d["used_k"], total_k),
+      dv=packed_from_padded(ref["dv"], d["cu_k"], d["used_k"], total_k),
+      lse=packed_from_padded(ref["lse"].transpose(0, 2, 1), d["cu_q"], d["used_q"], total_q).T)
+  helpers.assert_close_to_oracle(base, ref_packed, {}, jnp.float32, ["out", "lse", "dq", "dk", "dv"])
+  # Padding rows (gaps and tail) are exact zeros; so is their lse.
+  assert np.all(base["out"][~d["valid_q"]] == 0) and np.all(base["lse"][:, ~d["valid_q"]] == 0)
+  assert np.all(base["dq"][~d["valid_q"]] == 0)
+  assert np.all(base["dk"][~d["valid_k"]] == 0) and np.all(base["dv"][~d["valid_k"]] == 0)
+  for name in ("out", "dq", "dk", "dv"):
+    assert np.all(np.isfinite(base[name])), name
+  for poison in helpers.POISONS:
+    poisoned = run_packed(d, jnp.float32, impl, poison, rng, d_out, d_lse)
+    for name in base:
+      helpers.assert_bitwise_equal(poisoned[name], base[name], f"packed {name} with {poison}")
+
+
+def test_packed_equals_padded(impl):
+  """The same sequences through varlen_attention and dot_product_attention agree."""
+  rng = np.random.default_rng(5)
+  d = build(rng, [8, 13, 5], [8, 13, 5], [10, 4, 9], [10, 4, 9], tail_q=0, tail_k=0, causal=True,
+            bottom_right=True)
+  p = d["problem"]
+  packed = jax_padsafe.varlen_attention(
+      jnp.asarray(d["q"], jnp.float32), jnp.asarray(d["k"], jnp.float32),
+      jnp.asarray(d["v"], jnp.float32), jnp.asarray(d["cu_q"]), jnp.asarray(d["cu_k"]),
+      is_causal=True, causal_alignment="bottom_right", implementation=impl)
+  padded = jax_padsafe.dot_product_attention(
+      jnp.asarray(p.q, jnp.float32), jnp.asarray(p.k, jnp.float32), jnp.asarray(p.v, jnp.float32),
+      query_seq_lengths=jnp.asarray(p.q_len), key_value_seq_lengths=jnp.asarray(p.kv_len),
+      is_causal=True, causal_alignment="bottom_right", implementation=impl)
+  np.testing.assert_allclose(
+      np.asarray(packed), packed_from_padded(np.asarray(padded), d["cu_q"], d["used_q"], len(d["q"])),
+      atol=2e-6, rtol=2e-6)
