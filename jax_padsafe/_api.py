@@ -58,7 +58,8 @@ def dot_product_attention(
       ``i + off - left <= j <= i + off + right``. A negative (or ``None``) side is unbounded.
     implementation: ``None`` (the kernels where they apply, else pure JAX), ``"xla"`` (pure JAX),
       ``"cute"`` (GPU kernels; ``NotImplementedError`` for unsupported feature combinations).
-    softcap: if set, logits become ``softcap * tanh(logits / softcap)`` before the bias.
+    softcap: if set (> 0), logits become ``softcap * tanh(logits / softcap)`` before the bias;
+      ``None`` or ``0`` disables it.
     causal_alignment: ``"top_left"`` (``off = 0``, as ``jax.nn``) or ``"bottom_right"``
       (``off = kv_len - q_len`` per sequence, FlashAttention's convention for KV-cache decoding).
     query_segment_ids, key_value_segment_ids: int ``[B, T]`` / ``[B, S]``; a query sees only keys
@@ -216,6 +217,9 @@ def _make_spec(head_dim, scale, is_causal, local_window_size, softcap, block_k, 
   scale = V.check_scalar("scale", scale)
   if scale is None:
     scale = _xla.default_scale(head_dim)
+  # softcap=0 means "no softcap" (FlashAttention's convention); negative values are rejected.
+  if softcap is not None and not isinstance(softcap, jax.core.Tracer) and softcap == 0:
+    softcap = None
   softcap = V.check_scalar("softcap", softcap, positive=True)
   left, right = V.normalize_window(local_window_size)
   if not isinstance(block_k, (int, np.integer)) or block_k <= 0:

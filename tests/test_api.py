@@ -89,6 +89,12 @@ def test_scale_and_default_scale():
   chex.assert_trees_all_close(a, b, atol=1e-7)
 
 
+def test_softcap_zero_means_none():
+  q, k, v = _inputs()
+  chex.assert_trees_all_equal(jax_padsafe.dot_product_attention(q, k, v, softcap=0.0),
+                              jax_padsafe.dot_product_attention(q, k, v))
+
+
 def test_cute_unsupported_combination_raises():
   q, k, v = _inputs()
   with pytest.raises(NotImplementedError, match="cute"):
