@@ -1,0 +1,37 @@
+// ABI between the FFI handlers (jps_fwd.cc) and the generated launch adapters
+// (build/kernels/jps_registry.h, written by jax_padsafe/kernels/build.py).
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+struct JpsFwdArgs {
+  void *q, *k, *v, *o;        // [total_q, N, H], [total_k, K, H] x2, [total_q, N, H]
+  float *lse;                 // [N, total_q]
+  int32_t *cu_q, *cu_k;       // [batch + 1]
+  int32_t *used_q, *used_k;   // [batch]
+  int32_t total_q, total_k, num_heads, num_kv_heads, head_dim, batch;
+  float score_mul;            // scale * log2(e), or scale / softcap when soft-capped
+  float cap_mul;              // softcap * log2(e) when soft-capped (unused otherwise)
+  int32_t window_left, window_right;  // -1: unbounded; causal is folded into window_right
+  int32_t bottom_right;       // 1: offset = seqused_k - seqused_q, 0: offset 0
+  int32_t max_seqlen_q;       // grid.x = ceil(max_seqlen_q / block_m)
+};
+
+typedef int32_t (*JpsFwdLaunchFn)(void *module, const JpsFwdArgs *args, cudaStream_t stream);
+typedef void (*JpsFwdLoadFn)(void *module);
+
+struct JpsFwdVariant {
+  int arch;      // 80 (sm_80), 90 (sm_90a), 100 (sm_100a), 120 (sm_120)
+  int dtype;     // 0 bf16, 1 fp16
+  int head_dim;
+  int softcap;   // 0/1
+  int block_m;
+  void *module;  // the export's <prefix>_Kernel_Module_t
+  JpsFwdLoadFn load;
+  JpsFwdLaunchFn launch;
+  const char *name;
+};
+
+// Errors reported by the exported module loaders (CUTE_DSL_CUDA_ERROR_CHECK is redirected here).
+void jps_note_cuda_error(cudaError_t err);
+#define CUTE_DSL_CUDA_ERROR_CHECK(err) jps_note_cuda_error(err)

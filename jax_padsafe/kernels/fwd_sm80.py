@@ -1,0 +1,291 @@
+"""SM80-class flash-attention forward (mma.sync tensor cores + cp.async), pad-safe.
+
+One CTA computes one (query tile, head, sequence).  Layout (packed / varlen):
+  q [total_q, N, H], k/v [total_k, K, H], o [total_q, N, H], lse [N, total_q] float32,
+  cu_seqlens_q/k int32 [B+1], seqused_q/k int32 [B].
+The caller zero-fills o and lse (padded rows are never written here); this kernel writes the
+valid rows of every sequence.  Loads of rows past a valid length are replaced by zeros in shared
+memory, masking is done with selects, empty rows get O = 0 and lse = -inf.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+
+from . import bounds, masking, softmax, tiles
+
+LOG2_E = math.log2(math.e)
+
+
+class FlashFwdSm80:
+    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool):
+        assert head_dim % 32 == 0
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.block_m = block_m
+        self.block_n = block_n
+        self.num_threads = num_threads
+        self.has_softcap = has_softcap
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_q: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        dtype = self.dtype
+        sQ_layout = tiles.smem_layout(dtype, self.block_m, self.head_dim)
+        sKV_layout = tiles.smem_layout(dtype, self.block_n, self.head_dim)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+
+        copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
+        copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
+        tiled_mma = cute.make_tiled_mma(
+            cute.nvgpu.warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16)),
+            (self.num_threads // 32, 1, 1),
+            permutation_mnk=(self.num_threads // 32 * 16, 16, 16),
+        )
+        grid = (
+            cute.ceil_div(max_seqlen_q, self.block_m),
+            cute.size(mQ.shape[1]),
+            cute.size(mUsedQ.shape[0]),
+        )
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK,
+            score_mul, cap_mul, window_left, window_right, bottom_right,
+            sQ_layout, sKV_layout, copy_in, copy_out, tiled_mma, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        copy_in: cute.TiledCopy,
+        copy_out: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        m_block, head, batch = cute.arch.block_idx()
+        q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
+        if m_block * self.block_m < q_len:
+            self.tile(
+                mQ, mK, mV, mO, mLSE, mCuK, mUsedK, score_mul, cap_mul,
+                window_left, window_right, bottom_right, sQ_layout, sKV_layout,
+                copy_in, copy_out, tiled_mma, SharedStorage, m_block, head, batch, q_start, q_len,
+            )
+
+    @cute.jit
+    def tile(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedK: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        copy_in: cute.TiledCopy,
+        copy_out: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+        m_block: cutlass.Int32,
+        head: cutlass.Int32,
+        batch: cutlass.Int32,
+        q_start: cutlass.Int32,
+        q_len: cutlass.Int32,
+    ):
+        BM = self.block_m
+        BN = self.block_n
+        HD = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
+        off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
+        n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
+        head_kv = head // (mQ.shape[1] // mK.shape[1])
+        m0 = m_block * BM
+
+        # Global tiles of this sequence and head.
+        gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, head, None]), (BM, HD), (m_block, 0))
+        gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, head_kv, None]), (BN, HD), (None, 0))
+        gV = cute.local_tile(cute.domain_offset((k_start, 0), mV[None, head_kv, None]), (BN, HD), (None, 0))
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sKV_layout)
+        sV = storage.sV.get_tensor(sKV_layout)
+        sVt = cute.composition(sV, cute.make_layout((HD, BN), stride=(BN, 1)))
+
+        thr_in = copy_in.get_slice(tidx)
+        tQgQ = thr_in.partition_S(gQ)
+        tQsQ = thr_in.partition_D(sQ)
+        tKgK = thr_in.partition_S(gK)
+        tKsK = thr_in.partition_D(sK)
+        tVgV = thr_in.partition_S(gV)
+        tVsV = thr_in.partition_D(sV)
+        tQcQ = thr_in.partition_S(cute.make_identity_tensor((BM, HD)))
+        tKcK = thr_in.partition_S(cute.make_identity_tensor((BN, HD)))
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, HD)), cutlass.Float32)
+        acc_O.fill(0.0)
+
+        copy_q, copy_k, copy_v = tiles.smem_tiled_copies(self.dtype, tiled_mma)
+        sthr_q = copy_q.get_slice(tidx)
+        sthr_k = copy_k.get_slice(tidx)
+        sthr_v = copy_v.get_slice(tidx)
+        tSsQ = sthr_q.partition_S(sQ)
+        tSrQ_v = sthr_q.retile(tSrQ)
+        tSsK = sthr_k.partition_S(sK)
+        tSrK_v = sthr_k.retile(tSrK)
+        tOsVt = sthr_v.partition_S(sVt)
+        tOrVt_v = sthr_v.retile(tOrVt)
+
+        # Tile-local (row, col) coordinates of this thread's score fragment.
+        tScS = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
+        cS_mn = masking.acc_mn_view(tScS)
+
+        n_rows = cute.size(acc_O, mode=[1]) * 2
+        row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+
+        # Prologue: Q and the last K tile.
+        tiles.load_rows_zero_fill(copy_in, tQgQ, tQsQ, tQcQ, m0, q_len)
+        if n_max > n_min:
+            tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_max - 1], tKsK, tKcK, (n_max - 1) * BN, k_len)
+        cute.arch.cp_async_commit_group()
+
+        for it in cutlass.range(n_max - n_min, unroll=1):
+            n_block = n_max - 1 - it
+            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
+            acc_S.fill(0.0)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_block], tVsV, tKcK, n_block * BN, k_len)
+            cute.arch.cp_async_commit_group()
+
+            # S = Q K^T
+            cute.copy(copy_q, tSsQ[None, None, 0], tSrQ_v[None, None, 0])
+            cute.copy(copy_k, tSsK[None, None, 0], tSrK_v[None, None, 0])
+            nk = cute.size(tSsQ.shape[2])
+            for k in cutlass.range_constexpr(nk):
+                if k + 1 < nk:
+                    cute.copy(copy_q, tSsQ[None, None, k + 1], tSrQ_v[None, None, k + 1])
+                    cute.copy(copy_k, tSsK[None, None, k + 1], tSrK_v[None, None, k + 1])
+                cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            if n_block > n_min:
+                tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_block - 1], tKsK, tKcK, (n_block - 1) * BN, k_len)
+                cute.arch.cp_async_commit_group()
+
+            # Scores in the exp2 domain, soft-capped, masked.
+            s_mn = masking.acc_mn_view(acc_S)
+            if cutlass.const_expr(self.has_softcap):
+                acc_S.store(cute.math.tanh(acc_S.load() * score_mul, fastmath=False) * cap_mul)
+            else:
+                acc_S.store(acc_S.load() * score_mul)
+            if bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right):
+                masking.apply_visibility_mask(s_mn, cS_mn, m0, n_block * BN, k_len, off, left, right)
+            softmax.online_softmax_step(s_mn, masking.acc_mn_view(acc_O), row_max, row_sum)
+
+            # O += P V
+            rP = cute.make_fragment_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            tOrP = cute.make_tensor(rP.iterator, self._c_to_a_layout(rP.layout))
+            cute.copy(copy_v, tOsVt[None, None, 0], tOrVt_v[None, None, 0])
+            nv = cute.size(tOrP.shape[2])
+            for k in cutlass.range_constexpr(nv):
+                if k + 1 < nv:
+                    cute.copy(copy_v, tOsVt[None, None, k + 1], tOrVt_v[None, None, k + 1])
+                cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
+
+        # Epilogue.  Wait for every copy (also when no tile was visited) before sQ is reused.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        lse_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        softmax.finalize(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows)
+
+        # lse: one thread of each quad writes its rows.
+        cO_mn = masking.acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BM, HD))))
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(n_rows):
+                i = m0 + cO_mn[r, 0][0]
+                if i < q_len:
+                    mLSE[head, q_start + i] = lse_rows[r]
+
+        # O: registers -> shared (reuse sQ) -> global, valid rows only.
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        sO = cute.make_tensor(sQ.iterator, sQ_layout)
+        copy_r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma)
+        thr_r2s = copy_r2s.get_slice(tidx)
+        cute.copy(copy_r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
+        cute.arch.barrier()
+        gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (BM, HD), (m_block, 0))
+        thr_out = copy_out.get_slice(tidx)
+        tOsO = thr_out.partition_S(sO)
+        tOgO = thr_out.partition_D(gO)
+        tOcO = thr_out.partition_D(cute.make_identity_tensor((BM, HD)))
+        tOrO = cute.make_fragment_like(tOgO, self.dtype)
+        cute.copy(copy_out, tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            if m0 + tOcO[0, m, 0][0] < q_len:
+                cute.copy(copy_out, tOrO[None, m, None], tOgO[None, m, None])
+
+    def _c_to_a_layout(self, layout):
+        """mma C fragment (4, MMA_M, MMA_N) -> A fragment ((4, 2), MMA_M, MMA_N / 2) for P @ V."""
+        d = cute.logical_divide(layout, (None, None, 2))
+        return cute.make_layout(
+            ((d.shape[0], d.shape[2][0]), d.shape[1], d.shape[2][1]),
+            stride=((d.stride[0], d.stride[2][0]), d.stride[1], d.stride[2][1]),
+        )

@@ -1,0 +1,41 @@
+"""The visibility mask, applied to a score tile with selects (never by multiplying)."""
+
+import cutlass
+import cutlass.cute as cute
+
+
+def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
+    """View an mma.sync C fragment ((2,2), MMA_M, MMA_N) as (rows, cols) of this thread."""
+    lay = cute.make_layout(acc.layout.shape)
+    mn = cute.make_layout(
+        ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
+        stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+@cute.jit
+def apply_visibility_mask(
+    s_mn: cute.Tensor,
+    c_mn: cute.Tensor,
+    row0: cutlass.Int32,
+    col0: cutlass.Int32,
+    k_len: cutlass.Int32,
+    off: cutlass.Int32,
+    left: cutlass.Int32,
+    right: cutlass.Int32,
+):
+    """Set s[i, j] = -inf wherever key j is not visible to query i.
+
+    `c_mn` holds tile-local (row, col) coordinates matching `s_mn`; the key index is col0 + col,
+    the query index row0 + row (both within their sequence).  Visible iff
+    max(0, i + off - left) <= j < min(k_len, i + off + right + 1).
+    """
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        i = row0 + c_mn[r, 0][0]
+        lo = cutlass.max(i + off - left, 0)
+        hi = cutlass.min(i + off + right + 1, k_len)
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            j = col0 + c_mn[0, c][1]
+            if j < lo or j >= hi:
+                s_mn[r, c] = -cutlass.Float32.inf

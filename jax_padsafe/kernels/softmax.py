@@ -1,0 +1,63 @@
+"""Online softmax in the exp2 domain; never evaluates exp(-inf - -inf).
+
+Scores arrive already multiplied by scale*log2(e) (and soft-capped), masked entries are -inf.
+Per row the state is (m, l): running max and this thread's partial sum of exp2(s - m).
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+
+LN2 = math.log(2.0)
+
+
+def quad_allreduce(val, op):
+    """Reduce over the 4 threads of an mma.sync quad (they share a row)."""
+    val = op(val, cute.arch.shuffle_sync_bfly(val, offset=2, mask=-1, mask_and_clamp=31))
+    val = op(val, cute.arch.shuffle_sync_bfly(val, offset=1, mask=-1, mask_and_clamp=31))
+    return val
+
+
+@cute.jit
+def online_softmax_step(s_mn: cute.Tensor, o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor):
+    """Turn scores s into probabilities in place and rescale the O accumulator rows."""
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        row = s_mn[r, None].load()
+        m_tile = quad_allreduce(
+            row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0),
+            lambda a, b: cute.arch.fmax(a, b),
+        )
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_tile)
+        # A row with nothing visible so far keeps m = -inf; subtract 0 instead so that
+        # exp2(-inf - m_safe) = 0 and never exp2(-inf + inf).
+        m_safe = m_new
+        if m_new == -cutlass.Float32.inf:
+            m_safe = cutlass.Float32(0.0)
+        p = cute.math.exp2(row - m_safe, fastmath=True)
+        alpha = cute.math.exp2(m_old - m_safe, fastmath=True)
+        row_sum[r] = row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
+        row_max[r] = m_new
+        s_mn[r, None] = p
+        o_mn[r, None] = o_mn[r, None].load() * alpha
+
+
+@cute.jit
+def finalize(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor):
+    """O /= l and lse = (m + log2 l) * ln 2 per row.  A row that saw no visible key (m = -inf)
+    gets O = 0 exactly and lse = -inf (selects, no 0 * x)."""
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        l = quad_allreduce(row_sum[r], lambda a, b: a + b)
+        m = row_max[r]
+        empty = m == -cutlass.Float32.inf
+        inv = cutlass.Float32(0.0)
+        lse_r = -cutlass.Float32.inf
+        if not empty:
+            inv = cute.arch.rcp_approx(l)
+            lse_r = (m + cute.math.log2(l, fastmath=False)) * LN2
+        o_mn[r, None] = o_mn[r, None].load() * inv
+        for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+            if empty:
+                o_mn[r, c] = cutlass.Float32(0.0)
+        lse[r] = lse_r

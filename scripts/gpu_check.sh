@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Build the CuTe kernel library here (CPU-only machine with nvidia-cutlass-dsl, jax, a CUDA toolkit),
+# then run the GPU subset on a CUDA machine from the source tree.
+#
+#   scripts/gpu_check.sh build            # AOT-compile kernels + link jax_padsafe/_cute/lib/libjax_padsafe_kernels.so
+#   scripts/gpu_check.sh test [--quick]   # on the GPU machine (PYTHONPATH=. from the repo root); logs to $OUT or ./gpu_out
+#
+# With the device tool: run `build` here, then run `scripts/gpu_check.sh test` there, carrying
+# jax_padsafe/_cute/lib.  Archs/variants: JPS_ARCHS, JPS_DTYPES, JPS_HEAD_DIMS, JPS_SOFTCAP, JPS_JOBS.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cmd=${1:-}; shift || true
+case "$cmd" in
+  build)
+    set -e
+    python3 -m jax_padsafe.kernels.build --out build/kernels
+    cmake -S ffi -B build/ffi -DJPS_KERNEL_DIR="$PWD/build/kernels" -DCMAKE_BUILD_TYPE=Release >/dev/null
+    cmake --build build/ffi -j"${JPS_JOBS:-2}"
+    lib=jax_padsafe/_cute/lib/libjax_padsafe_kernels.so
+    echo "built $lib ($(du -h $lib | cut -f1)); dynamic dependencies:"
+    ldd "$lib" | sed 's/^/  /'
+    ;;
+  test)
+    out=${OUT:-gpu_out}; mkdir -p "$out"
+    export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+    quick=""; [ "${1:-}" = "--quick" ] && quick="--quick"
+    rc=0
+    nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader | tee "$out/device.txt"
+    python3 -m pytest -q tests/test_cute_lowering.py 2>&1 | tail -3 | tee "$out/lowering.log" || rc=1
+    python3 tests/gpu/check_forward.py $quick --json "$out/check_forward.json" 2>&1 | tee "$out/check_forward.log" || rc=1
+    # The same kernels inside CUDA graphs (XLA command buffers with custom calls).
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
+      python3 tests/gpu/check_forward.py --quick 2>&1 | tail -4 | tee "$out/check_cmdbuf.log" || rc=1
+    if ls tests/test_contract*.py >/dev/null 2>&1; then
+      JAX_PADSAFE_TEST_IMPLEMENTATIONS=cute python3 -m pytest -q -x tests/test_contract*.py -k cute 2>&1 | tail -15 \
+        | tee "$out/contract_cute.log" || rc=1
+    fi
+    [ -n "${JPS_SKIP_BENCH:-}" ] || python3 benchmarks/bench_forward.py $quick --out "$out/bench_forward.json" 2>&1 \
+      | tee "$out/bench_forward.log" | tail -40
+    exit $rc
+    ;;
+  *) sed -n 2,9p "$0"; exit 2 ;;
+esac

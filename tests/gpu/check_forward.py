@@ -1,0 +1,166 @@
+"""GPU check of the CuTe forward kernel against the float64 reference (run on a CUDA machine).
+
+    PYTHONPATH=. python tests/gpu/check_forward.py [--quick] [--json out.json]
+
+For every dtype x head dim x feature set (plain, causal top-left / bottom-right, sliding window,
+window + causal bottom-right, softcap) on a packed batch with irregular lengths (0, 1, 127, 129, ...),
+gaps (seqused < segment), rows past cu_seqlens[-1] and GQA 28 q heads over 4 kv heads:
+  * every padded row of q/k/v is poisoned with NaN, +Inf, -Inf, 1e30 and random huge values and the
+    outputs must be bitwise identical to the zero-padded run;
+  * padded o/lse rows must be exactly 0; no NaN/Inf except lse = -inf for valid rows with no visible key;
+  * |ours - ref64| <= 2 |naive_lowp - ref64| + 1e-3 (max over valid entries), for o and lse.
+Exit status 0 iff everything passed.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from jax_padsafe._cute import ops
+from tests.gpu.reference import reference
+
+DT = {"bf16": (jnp.bfloat16, ml_dtypes.bfloat16), "fp16": (jnp.float16, np.float16)}
+POISONS = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf, "1e30": 1e30, "huge": None}
+
+
+def packed_batch(rng, q_lens, k_lens, q_gaps, k_gaps, tail, N, K, H):
+    cu_q = np.concatenate([[0], np.cumsum(np.add(q_lens, q_gaps))]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(np.add(k_lens, k_gaps))]).astype(np.int32)
+    tq, tk = int(cu_q[-1]) + tail, int(cu_k[-1]) + tail
+    q = rng.standard_normal((tq, N, H))
+    k = rng.standard_normal((tk, K, H))
+    v = rng.standard_normal((tk, K, H))
+    return q, k, v, cu_q, cu_k, np.array(q_lens, np.int32), np.array(k_lens, np.int32)
+
+
+def pad_rows(cu, used, total):
+    pad = np.ones(total, bool)
+    for b in range(len(used)):
+        pad[cu[b]:cu[b] + used[b]] = False
+    return pad
+
+
+def poison(x, pad, kind, rng):
+    x = np.array(x, copy=True)
+    if kind == "huge":
+        x[pad] = rng.uniform(-1, 1, x[pad].shape) * 6e4
+    else:
+        x[pad] = POISONS[kind]
+    return x
+
+
+def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons):
+    jdt, ldt = DT[dtype]
+    N, H = q.shape[1], q.shape[2]
+    scale = 1.0 / np.sqrt(H)
+    # inputs exactly representable in the low-precision dtype
+    q, k, v = (x.astype(ldt).astype(np.float64) for x in (q, k, v))
+    padq, padk = pad_rows(cu_q, uq, q.shape[0]), pad_rows(cu_k, uk, k.shape[0])
+    kw = dict(scale=scale, causal=causal, bottom_right=bottom_right, left=left, right=right, softcap=softcap)
+    xp = jnp if jax.config.jax_enable_x64 else np
+    ref_o, ref_l = reference(q, k, v, cu_q, cu_k, uq, uk, xp=xp, **kw)
+    nai_o, nai_l = reference(q, k, v, cu_q, cu_k, uq, uk, lowp=jdt if xp is jnp else ldt, xp=xp, **kw)
+    mxq = int(np.max(np.diff(cu_q))) if len(uq) else 0
+    mxk = int(np.max(np.diff(cu_k))) if len(uk) else 0
+    f = jax.jit(lambda *a: ops.flash_forward(
+        *a, max_seqlen_q=mxq, max_seqlen_k=mxk, scale=scale, causal=causal, bottom_right=bottom_right,
+        window_left=-1 if left is None else left, window_right=-1 if right is None else right, softcap=softcap or 0.0))
+    meta = [jnp.asarray(x) for x in (cu_q, cu_k, uq, uk)]
+
+    def call(qq, kk, vv):
+        o, l = f(jnp.asarray(qq, jdt), jnp.asarray(kk, jdt), jnp.asarray(vv, jdt), *meta)
+        return np.asarray(o.astype(jnp.float32)), np.asarray(l)
+
+    o0, l0 = call(q, k, v)
+    fails = []
+    valid_q = ~padq
+    # padded rows exactly 0
+    if np.any(o0[padq] != 0) or np.any(l0[:, padq] != 0):
+        fails.append("padded o/lse rows not exactly 0")
+    # finiteness
+    empty = np.isneginf(ref_l)
+    if not np.all(np.isfinite(o0)):
+        fails.append("non-finite o")
+    if np.any(~np.isfinite(l0) & ~empty) or np.any(l0[empty] != -np.inf):
+        fails.append("lse non-finite where a key is visible, or not -inf for an empty row")
+    eo = np.abs(o0 - ref_o)[valid_q].max(initial=0.0)
+    en = np.abs(nai_o - ref_o)[valid_q].max(initial=0.0)
+    fin = np.isfinite(ref_l)
+    el = np.abs(l0 - ref_l)[fin].max(initial=0.0)
+    enl = np.abs(nai_l - ref_l)[fin].max(initial=0.0)
+    if not eo <= 2 * en + 1e-3:
+        fails.append(f"o error {eo:.3g} > 2*{en:.3g}+1e-3")
+    if not el <= 2 * enl + 1e-3:
+        fails.append(f"lse error {el:.3g} > 2*{enl:.3g}+1e-3")
+    # empty valid rows: o exactly 0
+    if np.any(o0[empty.T] != 0):
+        fails.append("o not exactly 0 in a valid row with no visible key")
+    for kind in poisons:
+        op, lp = call(poison(q, padq, kind, rng), poison(k, padk, kind, rng), poison(v, padk, kind, rng))
+        if not (np.array_equal(op.view(np.uint32), o0.view(np.uint32)) and np.array_equal(lp.view(np.uint32), l0.view(np.uint32))):
+            fails.append(f"not bitwise identical under poison {kind}")
+    return dict(name=name, dtype=dtype, head_dim=H, o_err=float(eo), o_naive_err=float(en), lse_err=float(el),
+                lse_naive_err=float(enl), fails=fails)
+
+
+FEATURES = {
+    "plain": dict(causal=False, bottom_right=False, left=None, right=None, softcap=0.0),
+    "causal_tl": dict(causal=True, bottom_right=False, left=None, right=None, softcap=0.0),
+    "causal_br": dict(causal=True, bottom_right=True, left=None, right=None, softcap=0.0),
+    "window_tl": dict(causal=False, bottom_right=False, left=37, right=9, softcap=0.0),
+    "window_causal_br": dict(causal=True, bottom_right=True, left=100, right=None, softcap=0.0),
+    "softcap_causal": dict(causal=True, bottom_right=False, left=None, right=None, softcap=30.0),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--numpy-ref", action="store_true", help="float64 reference in NumPy on the host "
+                    "(default: the same float64 code through jax.numpy on the GPU, much faster)")
+    a = ap.parse_args()
+    if not a.numpy_ref:
+        jax.config.update("jax_enable_x64", True)
+    print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, "library:", ops.library_available())
+    rng = np.random.default_rng(0)
+    results = []
+    dims = (64, 128) if a.quick else (64, 96, 128, 192, 256)
+    dtypes = ("bf16",) if a.quick else ("bf16", "fp16")
+    feats = ("plain", "causal_br") if a.quick else tuple(FEATURES)
+    poisons = ("nan", "huge") if a.quick else tuple(POISONS)
+    t0 = time.time()
+    for dtype in dtypes:
+        for H in dims:
+            batch = packed_batch(rng, q_lens=[0, 1, 127, 129, 300, 64], k_lens=[5, 1, 127, 129, 333, 0],
+                                 q_gaps=[3, 0, 1, 7, 0, 2], k_gaps=[0, 2, 1, 0, 9, 4], tail=11, N=28, K=4, H=H)
+            for fname in feats:
+                results.append(run_case(f"gqa7_{fname}", dtype, *batch, rng=rng, poisons=poisons, **FEATURES[fname]))
+    # long irregular sequences (GQA 7: 7 q heads over 1 kv head)
+    for dtype, H in ((("bf16", 128),) if a.quick else (("bf16", 64), ("bf16", 128), ("fp16", 256))):
+        batch = packed_batch(rng, q_lens=[4095, 1000], k_lens=[4093, 4097], q_gaps=[1, 0], k_gaps=[0, 3],
+                             tail=5, N=7, K=1, H=H)
+        for fname in ("plain", "causal_br", "causal_tl"):
+            results.append(run_case(f"long_{fname}", dtype, *batch, rng=rng, poisons=("nan",), **FEATURES[fname]))
+    nfail = 0
+    for r in results:
+        status = "PASS" if not r["fails"] else "FAIL " + "; ".join(r["fails"])
+        nfail += bool(r["fails"])
+        print(f"{r['dtype']} hd{r['head_dim']:<3} {r['name']:<22} o_err {r['o_err']:.2e} (naive {r['o_naive_err']:.2e}) "
+              f"lse_err {r['lse_err']:.2e} (naive {r['lse_naive_err']:.2e})  {status}")
+    print(f"{len(results) - nfail}/{len(results)} cases passed in {time.time() - t0:.0f} s")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(dict(device=jax.devices()[0].device_kind, results=results), fh, indent=1)
+    return 1 if nfail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
