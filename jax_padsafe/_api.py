@@ -1,9 +1,9 @@
 """Public entry points: argument checking, reduction to the canonical problem, backend dispatch.
 
 Both layouts end in one call of :func:`jax_padsafe._xla.attention` (a ``jax.custom_vjp``) with a
-``forward_fn`` chosen here: the pure-JAX forward, or the GPU kernel (``implementation="cute"``),
-which ``lax.platform_dependent`` turns back into the pure-JAX forward on non-CUDA platforms so a
-program stays portable.
+``Backend`` (forward + backward) chosen by ``_backends``: the pure-JAX one, or the GPU kernels
+(``implementation="cute"``), which ``lax.platform_dependent`` turns back into the pure-JAX code on
+non-CUDA platforms so a program stays portable.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def dot_product_attention(
     query_segment_ids=None,
     key_value_segment_ids=None,
     return_lse: bool = False,
+    deterministic: bool = False,
     block_k: int = 512,
 ):
   r"""Pad-safe scaled dot-product attention; a drop-in for ``jax.nn.dot_product_attention``.
@@ -65,6 +66,8 @@ def dot_product_attention(
     query_segment_ids, key_value_segment_ids: int ``[B, T]`` / ``[B, S]``; a query sees only keys
       with the same id; a negative id marks padding (it matches nothing, not even another negative id).
     return_lse: also return the log-sum-exp ``[B, N, T]`` float32 (differentiable).
+    deterministic: gradients bitwise identical across repeated calls. The pure-JAX path always is;
+      GPU backward kernels that accumulate with atomics switch to an ordered reduction.
     block_k: keys per step of the pure-JAX blockwise loop (memory ~ ``T * block_k`` per head).
 
   Returns:
@@ -109,17 +112,18 @@ def dot_product_attention(
   k_pos = jnp.broadcast_to(rows_k, (b, s))
 
   spec = _make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
-                    bottom_right=causal_alignment == "bottom_right", max_seqlen_q=t, max_seqlen_k=s)
+                    bottom_right=causal_alignment == "bottom_right", max_seqlen_q=t, max_seqlen_k=s,
+                    deterministic=bool(deterministic))
   # The padded layout maps onto the kernels' packed layout: sequence b owns rows b*T .. b*T+T-1.
   kernel_args = dict(
       cu_seqlens_q=jnp.arange(b + 1, dtype=jnp.int32) * t,
       cu_seqlens_k=jnp.arange(b + 1, dtype=jnp.int32) * s,
       seqused_q=q_len, seqused_k=kv_len)
-  forward_fn = _backends.choose_forward(
+  backend = _backends.choose_backend(
       implementation, spec, query, key, bias=bias, mask=mask,
       has_segment_ids=query_segment_ids is not None)
 
-  out, lse = _run(spec, forward_fn, query, key, value, bias, mask, q_seg, k_seg, q_pos, k_pos,
+  out, lse = _run(spec, backend, query, key, value, bias, mask, q_seg, k_seg, q_pos, k_pos,
                   kernel_args)
   if unbatched:
     out, lse = out[0], lse[0]
@@ -144,6 +148,7 @@ def varlen_attention(
     softcap: float | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
+    deterministic: bool = False,
     block_k: int = 512,
 ):
   r"""Pad-safe attention over a packed (variable-length) batch.
@@ -191,11 +196,12 @@ def varlen_attention(
 
   spec = _make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
                     bottom_right=causal_alignment == "bottom_right",
-                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                    deterministic=bool(deterministic))
   kernel_args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
-  forward_fn = _backends.choose_forward(implementation, spec, query, key, bias=None, mask=None,
+  backend = _backends.choose_backend(implementation, spec, query, key, bias=None, mask=None,
                                         has_segment_ids=False)
-  out, lse = _run(spec, forward_fn, query[None], key[None], value[None], None, None,
+  out, lse = _run(spec, backend, query[None], key[None], value[None], None, None,
                   q_seg[None], k_seg[None], q_pos[None], k_pos[None], kernel_args)
   out, lse = out[0], lse[0]
   return (out, lse) if return_lse else out
@@ -203,13 +209,13 @@ def varlen_attention(
 
 # --------------------------------------------------------------------------------------------------
 
-def _run(spec, forward_fn, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
+def _run(spec, backend, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
   # Sanitise before any arithmetic: padded rows become exact zeros by select. Gradients flow back
   # through the select, which routes exact zeros to the padded rows.
   q = _masking.zero_invalid_rows(q, q_seg)
   k = _masking.zero_invalid_rows(k, k_seg)
   v = _masking.zero_invalid_rows(v, k_seg)
-  return _xla.attention(spec, forward_fn, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos,
+  return _xla.attention(spec, backend, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos,
                         kernel_args)
 
 
@@ -323,4 +329,4 @@ def canonical_attention(query, key, value, *, q_segment, k_segment, q_position, 
                            (query, key, query, key)):
     if x.shape != like.shape[:2]:
       raise ValueError(f"{name} must have shape {like.shape[:2]}, got {x.shape}")
-  return _run(spec, _xla.xla_forward, query, key, value, None, None, *segs, None)
+  return _run(spec, _xla.XLA, query, key, value, None, None, *segs, None)

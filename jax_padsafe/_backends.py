@@ -45,17 +45,18 @@ def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, ha
       has_bias=bias is not None)
 
 
-def choose_forward(implementation, spec: AttentionSpec, query, key, *, bias, mask, has_segment_ids):
+def choose_backend(implementation, spec: AttentionSpec, query, key, *, bias, mask, has_segment_ids):
+  """The ``_xla.Backend`` for this call (see the module docstring for the rules)."""
   if implementation == "xla":
-    return _xla.xla_forward
+    return _xla.XLA
   reason = kernel_unsupported_reason(spec, query, key, bias=bias, mask=mask,
                                      has_segment_ids=has_segment_ids)
   if reason is None:
-    return cute_forward
+    return CUTE
   if implementation == "cute":
     raise NotImplementedError(f'implementation="cute" cannot run this call: {reason}. '
                               'Use implementation=None to fall back to the pure-JAX path.')
-  return _xla.xla_forward
+  return _xla.XLA
 
 
 def cute_forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
@@ -80,3 +81,6 @@ def cute_forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_a
     return _xla.forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos)
 
   return lax.platform_dependent(q, k, v, cuda=on_cuda, default=elsewhere)
+
+
+CUTE = _xla.Backend("cute", cute_forward, _xla.xla_backward)

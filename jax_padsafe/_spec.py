@@ -34,6 +34,8 @@ class AttentionSpec:
   block_k: int = 512
   # Kernel-only facts (the pure-JAX path has them folded into the position arrays already).
   bottom_right: bool = False
+  # Bitwise-reproducible gradients (the pure-JAX path always is; kernels may use atomics otherwise).
+  deterministic: bool = False
   max_seqlen_q: int | None = None
   max_seqlen_k: int | None = None
 

@@ -20,8 +20,10 @@ Pad-safety rules followed everywhere below:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -245,28 +247,35 @@ def _reduce_to_bias(ds, bias_shape):
 # custom_vjp
 # --------------------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def attention(spec, forward_fn, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
-  """Differentiable pad-safe attention on the canonical problem; returns ``(o, lse)``.
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """A forward and a backward on the canonical problem (hashable: a ``custom_vjp`` nondiff arg).
 
-  ``forward_fn(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args)`` computes the
-  forward (this module's :func:`forward`, or a GPU kernel); the backward is this module's
-  :func:`backward`, which only needs the canonical residuals.
+  ``forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args) -> (o, lse)``;
+  ``backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args, o, lse, do, dlse)
+  -> (dq, dk, dv, dbias)``. ``kernel_args`` holds the packed-layout view (cu_seqlens, seqused)
+  that the GPU kernels take; the pure-JAX functions ignore it.
   """
-  return forward_fn(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args)
+  name: str
+  forward: Callable
+  backward: Callable
 
 
-def _attention_fwd(spec, forward_fn, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
-  o, lse = forward_fn(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def attention(spec, backend, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
+  """Differentiable pad-safe attention on the canonical problem; returns ``(o, lse)``."""
+  return backend.forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args)
+
+
+def _attention_fwd(spec, backend, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
+  o, lse = backend.forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args)
   return (o, lse), (q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args, o, lse)
 
 
-def _attention_bwd(spec, forward_fn, res, cotangents):
-  del forward_fn
-  q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args, o, lse = res
+def _attention_bwd(spec, backend, res, cotangents):
   do, dlse = cotangents
-  dq, dk, dv, dbias = backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse)
-  no_grad = jax.tree_util.tree_map(lambda _: None, kernel_args)
+  dq, dk, dv, dbias = backend.backward(spec, *res, do, dlse)
+  no_grad = jax.tree_util.tree_map(lambda _: None, res[9])
   return dq, dk, dv, dbias, None, None, None, None, None, no_grad
 
 
@@ -274,9 +283,17 @@ attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def xla_forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
-  """``forward_fn`` for the pure-JAX path (ignores the kernel-only arguments)."""
   del kernel_args
   return forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos)
+
+
+def xla_backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args, o, lse, do,
+                 dlse):
+  del kernel_args
+  return backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse)
+
+
+XLA = Backend("xla", xla_forward, xla_backward)
 
 
 def default_scale(head_dim: int) -> float:

@@ -158,3 +158,19 @@ def test_bad_input_raises_clear_error(call, exc, match):
   q, k, v = _inputs()
   with pytest.raises(exc, match=match):
     call(q, k, v)
+
+
+def test_deterministic_gradients_are_bitwise_reproducible(impl):
+  q, k, v = _inputs(dtype=jnp.bfloat16 if impl == "cute" else jnp.float32)
+  q_len = jnp.array([12, 7], jnp.int32)
+
+  @jax.jit
+  def grads(q, k, v):
+    return jax.grad(lambda q, k, v: jnp.sum(jax_padsafe.dot_product_attention(
+        q, k, v, is_causal=True, query_seq_lengths=q_len, deterministic=True,
+        implementation=impl).astype(jnp.float32) ** 2), (0, 1, 2))(q, k, v)
+
+  first = grads(q, k, v)
+  for _ in range(3):
+    for a, b in zip(first, grads(q, k, v)):
+      helpers.assert_bitwise_equal(np.asarray(a), np.asarray(b), "repeated deterministic gradient")
