@@ -1,0 +1,96 @@
+"""Backend dispatch, checked on the CPU by lowering for CUDA: which calls reach the kernels'
+custom call, which fall back to the pure-JAX path, and which raise."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_padsafe
+from jax_padsafe import _backends
+
+_cute = pytest.importorskip("jax_padsafe._cute.ops")
+TARGET = "jax_padsafe_fwd"
+
+
+@pytest.fixture
+def kernels_built(monkeypatch):
+  """Pretend the kernel library is built: dispatch then judges support by the default matrix."""
+  monkeypatch.setenv("JAX_PADSAFE_CUTE_LIB", "/nonexistent/libjax_padsafe_kernels.so")
+  _cute._load.cache_clear()
+  monkeypatch.setattr(_cute, "library_available", lambda: True)
+  yield
+  _cute._load.cache_clear()
+
+
+def _qkv(b=2, t=16, s=24, n=8, k=2, h=64, dtype=jnp.bfloat16):
+  return (jax.ShapeDtypeStruct((b, t, n, h), dtype), jax.ShapeDtypeStruct((b, s, k, h), dtype),
+          jax.ShapeDtypeStruct((b, s, k, h), dtype))
+
+
+def _lowered(f, *args, platform="cuda"):
+  return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _targets(text):
+  return re.findall(r"stablehlo\.custom_call @(\w+)", text)
+
+
+def test_cute_forward_lowers_to_custom_call(kernels_built):
+  lens = jnp.array([16, 5], jnp.int32)
+  f = lambda q, k, v: jax_padsafe.dot_product_attention(
+      q, k, v, is_causal=True, query_seq_lengths=lens, implementation="cute")
+  assert _targets(_lowered(f, *_qkv())).count(TARGET) == 1
+  # On the CPU the same program lowers to the pure-JAX path.
+  assert TARGET not in _lowered(f, *_qkv(), platform="cpu")
+
+
+def test_default_prefers_kernels_and_gradient_keeps_them(kernels_built):
+  def loss(q, k, v):
+    return jnp.sum(jax_padsafe.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
+  assert TARGET in _targets(_lowered(loss, *_qkv()))
+  assert TARGET in _targets(_lowered(jax.grad(loss, (0, 1, 2)), *_qkv()))
+
+
+def test_varlen_lowers_to_custom_call(kernels_built):
+  q = jax.ShapeDtypeStruct((40, 8, 128), jnp.float16)
+  k = jax.ShapeDtypeStruct((50, 2, 128), jnp.float16)
+  cu = jnp.array([0, 10, 40], jnp.int32)
+  cuk = jnp.array([0, 25, 50], jnp.int32)
+  f = lambda q, k, v: jax_padsafe.varlen_attention(q, k, v, cu, cuk, max_seqlen_q=30,
+                                                   max_seqlen_k=25, implementation="cute")
+  assert _targets(_lowered(f, q, k, k)).count(TARGET) == 1
+
+
+@pytest.mark.parametrize("case", ["mask", "bias", "float32", "segment_ids", "head_dim_80"])
+def test_unsupported_falls_back_or_raises(kernels_built, case):
+  q, k, v = _qkv(h=80 if case == "head_dim_80" else 64,
+                 dtype=jnp.float32 if case == "float32" else jnp.bfloat16)
+  kw = {}
+  if case == "mask":
+    kw["mask"] = jnp.ones((1, 1, 16, 24), bool)
+  if case == "bias":
+    kw["bias"] = jnp.zeros((1, 1, 16, 24), jnp.float32)
+  if case == "segment_ids":
+    kw["query_segment_ids"] = jnp.zeros((2, 16), jnp.int32)
+    kw["key_value_segment_ids"] = jnp.zeros((2, 24), jnp.int32)
+  default = lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, **kw)
+  assert TARGET not in _targets(_lowered(default, q, k, v))
+  with pytest.raises(NotImplementedError, match='implementation="cute"'):
+    _lowered(lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, implementation="cute", **kw),
+             q, k, v)
+
+
+def test_xla_never_uses_kernels(kernels_built):
+  f = lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, implementation="xla")
+  assert TARGET not in _targets(_lowered(f, *_qkv()))
+
+
+def test_without_library_default_is_pure_jax(monkeypatch):
+  monkeypatch.setattr(_cute, "library_available", lambda: False)
+  f = lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v)
+  assert TARGET not in _targets(_lowered(f, *_qkv()))
+  assert "not built" in _backends.kernel_unsupported_reason(
+      jax_padsafe._api.AttentionSpec(scale=1.0), *_qkv()[:2], bias=None, mask=None,
+      has_segment_ids=False)
