@@ -1,0 +1,227 @@
+"""Shard-local partitioning for opaque attention forwards (FFI kernels) over batch and heads.
+
+A bare ``jax.ffi.ffi_call`` gives XLA no partitioning rule, so batch/head-sharded operands are
+all-gathered in front of it. :func:`partition_packed_forward` and :func:`partition_padded_forward`
+wrap such a forward in ``jax.experimental.custom_partitioning`` with a Shardy ``sharding_rule``
+(and the GSPMD callbacks, for programs that turn Shardy off) so that it runs on each device's
+shard with no collective:
+
+* heads: query heads ``N`` and key/value heads ``K`` are split the same number of ways, so a
+  shard holds whole GQA groups (local ratio ``N/K`` unchanged). With ``K == 1`` (MQA) the single
+  key/value head is replicated and only the query heads are split. Any other head sharding (``K``
+  not a multiple of the number of head shards) cannot be honoured shard-locally: by default the
+  heads are re-sharded to replicated (XLA inserts an all-gather in front of the op; documented in
+  ``docs/sharding.md``), or, with ``head_sharding="strict"``, a ``ValueError`` is raised.
+* batch (padded layout only): every per-sequence operand is split along the batch.
+* sequence/token axes and the head dim are never split (``cu_seqlens`` index the whole packed
+  buffer): a sharding there is re-sharded to replicated. Sequence parallelism is
+  :func:`jax_padsafe.sharding.ring_attention`'s job.
+
+The wrapped function must be a pure function of its array arguments given the static keyword
+arguments (which must be hashable): it is traced once per shard shape.
+
+Signatures (the kernel engineer's ``jax_padsafe._cute.ops.flash_forward`` is the packed one)::
+
+  packed: fn(q [total_q, N, H], k [total_k, K, H], v [total_k, K, H],
+             cu_seqlens_q [B+1], cu_seqlens_k [B+1], seqused_q [B], seqused_k [B], **static)
+          -> (o [total_q, N, H], lse [N, total_q])
+  padded: fn(q [B, T, N, H], k [B, S, K, H], v [B, S, K, H], q_len [B], kv_len [B], **static)
+          -> (o [B, T, N, H], lse [B, N, T])
+
+:func:`packed_to_padded` turns a packed forward into a padded one (``cu_seqlens`` rebuilt from the
+*local* batch), which is what the padded layout needs to be batch-shardable.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+__all__ = ["partition_packed_forward", "partition_padded_forward", "packed_to_padded"]
+
+# Per-dimension roles: "b" batch (shardable), "n" query heads, "k" key/value heads, None: never split.
+_PACKED_ARGS = ((None, "n", None), (None, "k", None), (None, "k", None), (None,), (None,),
+                (None,), (None,))
+_PACKED_OUTS = ((None, "n", None), ("n", None))
+_PACKED_RULE = "t (k g) h, s k h, s k h, c, c, b, b -> t (k g) h, (k g) t"
+_PACKED_REPLICATED = ("t", "s", "h", "c", "b")
+
+_PADDED_ARGS = (("b", None, "n", None), ("b", None, "k", None), ("b", None, "k", None), ("b",),
+                ("b",))
+_PADDED_OUTS = (("b", None, "n", None), ("b", "n", None))
+_PADDED_RULE = "b t (k g) h, b s k h, b s k h, b, b -> b t (k g) h, b (k g) t"
+_PADDED_REPLICATED = ("t", "s", "h")
+
+_HEAD_MODES = ("reshard", "strict")
+
+
+def partition_packed_forward(fn, *, head_sharding: str = "reshard"):
+  """Wrap a packed-layout forward so that head-sharded calls run shard-local (see module doc)."""
+  return _wrap(fn, _PACKED_ARGS, _PACKED_OUTS, _PACKED_RULE, _PACKED_REPLICATED, head_sharding,
+               heads_of=lambda q, k: (q.shape[1], k.shape[1]))
+
+
+def partition_padded_forward(fn, *, head_sharding: str = "reshard"):
+  """Wrap a padded-layout forward so that batch- and head-sharded calls run shard-local."""
+  return _wrap(fn, _PADDED_ARGS, _PADDED_OUTS, _PADDED_RULE, _PADDED_REPLICATED, head_sharding,
+               heads_of=lambda q, k: (q.shape[2], k.shape[2]))
+
+
+def packed_to_padded(packed_fn):
+  """A padded forward ``(q [B,T,N,H], k, v, q_len, kv_len, **static)`` from a packed one.
+
+  Sequence ``b`` owns packed rows ``b*T .. b*T+T-1``; ``cu_seqlens`` are built from the shapes it
+  sees, so under :func:`partition_padded_forward` they describe the local batch shard.
+  """
+
+  @functools.wraps(packed_fn)
+  def padded(q, k, v, q_len, kv_len, **static):
+    b, t, n, h = q.shape
+    s, nk = k.shape[1], k.shape[2]
+    o, lse = packed_fn(
+        q.reshape(b * t, n, h), k.reshape(b * s, nk, k.shape[-1]), v.reshape(b * s, nk, v.shape[-1]),
+        jnp.arange(b + 1, dtype=jnp.int32) * t, jnp.arange(b + 1, dtype=jnp.int32) * s,
+        q_len.astype(jnp.int32), kv_len.astype(jnp.int32), **static)
+    return o.reshape(b, t, n, o.shape[-1]), lse.reshape(n, b, t).transpose(1, 0, 2)
+
+  return padded
+
+
+# --------------------------------------------------------------------------------------------------
+
+def _wrap(fn, arg_roles, out_roles, rule, replicated, head_sharding, heads_of):
+  if head_sharding not in _HEAD_MODES:
+    raise ValueError(f"head_sharding must be one of {_HEAD_MODES}, got {head_sharding!r}")
+
+  @functools.wraps(fn)
+  def wrapped(*args, **static):
+    if len(args) != len(arg_roles):
+      raise TypeError(f"{fn.__name__} takes {len(arg_roles)} array arguments, got {len(args)}")
+    args = tuple(jnp.asarray(a) for a in args)
+    for a, roles in zip(args, arg_roles):
+      if a.ndim != len(roles):
+        raise ValueError(f"{fn.__name__}: expected an operand of rank {len(roles)}, got {a.shape}")
+    n, nk = heads_of(args[0], args[1])
+    if nk <= 0 or n % nk:
+      raise ValueError(f"{fn.__name__}: query heads ({n}) must be a multiple of key/value heads ({nk})")
+    op = _build(fn, tuple(sorted(static.items())), arg_roles, out_roles, rule, replicated,
+                head_sharding, n // nk, nk == 1)
+    return op(*args)
+
+  return wrapped
+
+
+@functools.lru_cache(maxsize=None)
+def _build(fn, static_items, arg_roles, out_roles, rule, replicated, head_sharding, group, mqa):
+  from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
+  static = dict(static_items)
+
+  def call(*args):
+    return fn(*args, **static)
+
+  op = custom_partitioning(call)
+
+  def decide(mesh, arg_shapes):
+    """Mesh axes for the batch and the heads that this call can honour shard-locally."""
+    q_shape, k_shape = arg_shapes[0], arg_shapes[1]
+    q_spec = _spec_of(q_shape.sharding, len(q_shape.shape))
+    q_roles = arg_roles[0]
+    batch_axes = head_axes = None
+    if "b" in q_roles:
+      d = q_roles.index("b")
+      batch_axes = _divisible(mesh, q_spec[d], q_shape.shape[d])
+    d = q_roles.index("n")
+    head_axes = _divisible(mesh, q_spec[d], q_shape.shape[d])
+    nk = k_shape.shape[arg_roles[1].index("k")]
+    kv_axes = head_axes
+    if head_axes is not None:
+      ways = _size(mesh, head_axes)
+      if nk % ways == 0:
+        kv_axes = head_axes          # whole groups per shard
+      elif nk == 1:
+        kv_axes = None               # MQA: every shard needs the one key/value head
+      else:
+        if head_sharding == "strict":
+          raise ValueError(
+              f"attention: heads sharded {ways} ways over mesh axes {head_axes!r} cannot be honoured "
+              f"shard-locally with {nk} key/value heads (groups of {group} query heads): a shard "
+              "must hold whole groups, so the number of key/value heads must be a multiple of the "
+              "number of head shards (or be 1). Shard the heads fewer ways.")
+        head_axes = kv_axes = None   # documented re-shard: heads replicated
+    return batch_axes, head_axes, kv_axes
+
+  def shardings(mesh, roles_list, batch_axes, head_axes, kv_axes):
+    table = {"b": batch_axes, "n": head_axes, "k": kv_axes, None: None}
+    return tuple(NamedSharding(mesh, P(*(table[r] for r in roles))) for roles in roles_list)
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    batch_axes, head_axes, kv_axes = decide(mesh, arg_shapes)
+    arg_sh = shardings(mesh, arg_roles, batch_axes, head_axes, kv_axes)
+    out_sh = shardings(mesh, out_roles, batch_axes, head_axes, kv_axes)
+    return mesh, call, out_sh, arg_sh
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    batch_axes, head_axes, kv_axes = decide(mesh, arg_shapes)
+    return shardings(mesh, out_roles, batch_axes, head_axes, kv_axes)
+
+  rule, factor_sizes = _specialise_rule(rule, group, mqa)
+  # Shardy wants the special factors in the order of their first appearance in the rule.
+  order = _factor_order(rule)
+  replicated = tuple(sorted((f for f in replicated if f in order), key=order.index))
+  try:
+    op.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                     need_replication_factors=replicated, **factor_sizes)
+  except TypeError:  # a jax without need_replication_factors: the callback re-shards anyway
+    op.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                     **factor_sizes)
+  return op
+
+
+def _specialise_rule(rule, group, mqa):
+  """The query-head dimension is the compound factor ``(k g)`` for GQA; Shardy rejects size-1
+  members of a compound, so MHA (``g == 1``) uses ``k`` and MQA (one key/value head) uses ``g``
+  alone (the key/value head dimension keeps its own size-1 factor ``k``)."""
+  if group == 1:
+    return rule.replace("(k g)", "k"), {}
+  if mqa:
+    return rule.replace("(k g)", "g"), {}
+  return rule, {"g": group}
+
+
+def _factor_order(rule):
+  order = []
+  for tok in rule.replace("(", " ").replace(")", " ").replace(",", " ").replace("->", " ").split():
+    if tok not in order:
+      order.append(tok)
+  return order
+
+
+def _spec_of(sharding, rank):
+  spec = tuple(getattr(sharding, "spec", ()) or ())
+  return spec + (None,) * (rank - len(spec))
+
+
+def _names(entry):
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _size(mesh, axes):
+  return math.prod(mesh.shape[a] for a in _names(axes))
+
+
+def _divisible(mesh, entry, dim):
+  """``entry`` (mesh axes of one dimension) if it splits ``dim`` evenly, else ``None``."""
+  names = _names(entry)
+  if not names:
+    return None
+  if dim % _size(mesh, names):
+    return None
+  return names[0] if len(names) == 1 else names

@@ -1,0 +1,479 @@
+"""Sharded pad-safe attention: ring (context-parallel) attention and layout helpers.
+
+Batch and head sharding need nothing from this module: :func:`jax_padsafe.dot_product_attention`
+and :func:`jax_padsafe.varlen_attention` already run shard-local under ``jax.jit`` when their inputs
+are sharded over batch and/or (whole groups of) heads (see ``docs/sharding.md``). This module adds:
+
+* :func:`ring_attention`: attention over a sequence sharded on a mesh axis. ``shard_map`` +
+  ``lax.ppermute`` of key/value chunks around the ring, an lse-based merge of the per-chunk results,
+  and a ``jax.custom_vjp`` whose backward recomputes chunk by chunk and passes the dK/dV
+  accumulators around the ring with the chunks. Only collective-permutes appear in the HLO (no
+  all-gather, no all-reduce).
+* :func:`zigzag_permute` / :func:`zigzag_unpermute`: the load-balanced layout for causal attention
+  (device ``d`` of ``P`` holds chunk ``d`` and chunk ``2P-1-d`` of ``2P`` equal chunks).
+
+The whole pad-safety contract holds on the ring: lengths, segment ids, causal in both alignments,
+window, softcap, padded rows exactly 0 (lse 0), valid rows that see no key give out 0 / lse -inf,
+and results are bitwise independent of what the padding holds. The merge never evaluates
+``-inf - -inf`` and masks with selects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_padsafe import _masking
+from jax_padsafe import _validation as V
+from jax_padsafe import _xla
+from jax_padsafe import _api
+
+__all__ = ["ring_attention", "zigzag_permute", "zigzag_unpermute", "zigzag_indices"]
+
+_F32 = jnp.float32
+_LAYOUTS = ("contiguous", "zigzag")
+_BIG = 2 ** 30  # bound on positions/window sizes in the block-skipping predicate (no int32 overflow)
+
+
+# --------------------------------------------------------------------------------------------------
+# jax version shims (0.10 / 0.11)
+# --------------------------------------------------------------------------------------------------
+
+def shard_map(f, *, mesh, in_specs, out_specs):
+  """``shard_map`` without replication/VMA checking, on every supported jax version."""
+  if hasattr(jax, "shard_map"):
+    try:
+      return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    except TypeError:  # a version whose jax.shard_map still spells it check_rep
+      return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+  from jax.experimental.shard_map import shard_map as _sm  # pylint: disable=g-import-not-at-top
+  return _sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Zigzag (load-balanced) layout
+# --------------------------------------------------------------------------------------------------
+
+def _zigzag_order(num_shards: int) -> np.ndarray:
+  """Chunk order of the zigzag layout: ``[0, 2P-1, 1, 2P-2, ...]``."""
+  p = int(num_shards)
+  return np.array([c for d in range(p) for c in (d, 2 * p - 1 - d)], np.int32)
+
+
+def _check_zigzag(length, num_shards, what):
+  if not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
+    raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
+  if length % (2 * num_shards):
+    raise ValueError(f"{what} ({length}) must be a multiple of 2 * num_shards = {2 * num_shards} "
+                     "for the zigzag layout; pad the sequence (padding is free: mark it with "
+                     "lengths or negative segment ids)")
+
+
+def zigzag_indices(length: int, num_shards: int) -> np.ndarray:
+  """``idx[j]`` = natural position of the element at layout slot ``j`` (NumPy int32 ``[length]``).
+
+  ``x_layout = x_natural[idx]``. The sequence is cut into ``2 * num_shards`` equal chunks and device
+  ``d`` (slots ``d*L/P .. (d+1)*L/P - 1``) holds chunk ``d`` followed by chunk ``2P-1-d``.
+  """
+  _check_zigzag(length, num_shards, "length")
+  c = length // (2 * num_shards)
+  return (_zigzag_order(num_shards)[:, None] * c + np.arange(c)[None, :]).reshape(-1).astype(np.int32)
+
+
+def zigzag_permute(x, num_shards: int, axis: int = 1):
+  """Natural order -> zigzag layout along ``axis`` (default 1, the sequence axis of ``[B, T, ...]``).
+
+  Apply it to query, key, value, segment ids (and anything else indexed by sequence position)
+  before sharding the sequence axis over ``num_shards`` devices; undo it on the outputs with
+  :func:`zigzag_unpermute`. Lengths are *not* permuted: they always count natural positions.
+  """
+  x = jnp.asarray(x)
+  axis = axis % x.ndim
+  _check_zigzag(x.shape[axis], num_shards, f"axis {axis} of length")
+  return _reorder_chunks(x, _zigzag_order(num_shards), axis)
+
+
+def zigzag_unpermute(x, num_shards: int, axis: int = 1):
+  """Zigzag layout -> natural order along ``axis`` (inverse of :func:`zigzag_permute`).
+
+  For an lse ``[B, N, T]`` pass ``axis=2`` (or ``-1``).
+  """
+  x = jnp.asarray(x)
+  axis = axis % x.ndim
+  _check_zigzag(x.shape[axis], num_shards, f"axis {axis} of length")
+  return _reorder_chunks(x, np.argsort(_zigzag_order(num_shards)), axis)
+
+
+def _reorder_chunks(x, order, axis):
+  """Chunk ``i`` of the result is chunk ``order[i]`` of ``x`` (static slices and a concatenate,
+  which every sharding mode accepts; on a sharded axis XLA moves the chunks between devices)."""
+  c = x.shape[axis] // len(order)
+  return jnp.concatenate([lax.slice_in_dim(x, int(i) * c, (int(i) + 1) * c, axis=axis)
+                          for i in order], axis=axis)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------------
+
+def ring_attention(
+    query,
+    key,
+    value,
+    *,
+    mesh,
+    axis_name,
+    batch_axis=None,
+    head_axis=None,
+    layout: str = "contiguous",
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    query_segment_ids=None,
+    key_value_segment_ids=None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    local_window_size=None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    block_k: int = 512,
+    skip_masked_blocks: bool = True,
+):
+  r"""Pad-safe attention with the sequence sharded over mesh axis ``axis_name`` (ring attention).
+
+  Same semantics as :func:`jax_padsafe.dot_product_attention` (contract included), computed with
+  ``shard_map``: every device keeps its query chunk and the key/value chunks travel around the
+  ring (``lax.ppermute``); per-chunk results are merged through their log-sum-exp. The backward is a
+  ``jax.custom_vjp`` over the ring: it recomputes chunk by chunk and the dK/dV accumulators travel
+  with their chunks, arriving home after one full turn. No all-gather or all-reduce is emitted.
+  Call it under ``jax.jit`` (it works eagerly too).
+
+  Args:
+    query: ``[B, T, N, H]``; key, value: ``[B, S, K, H]`` (``N % K == 0``). Sequence axes in the
+      order given by ``layout``, sharded (or to be sharded) over ``axis_name``.
+    mesh: a ``jax.sharding.Mesh``.
+    axis_name: the mesh axis the sequence is split over (``P`` devices: ``T`` and ``S`` must be
+      multiples of ``P``, of ``2P`` for ``layout="zigzag"``).
+    batch_axis, head_axis: optional mesh axes (name or tuple of names) the batch / head axes are
+      split over (data and tensor parallelism inside the ring). ``head_axis`` needs ``K`` to be a
+      multiple of its size, so that every shard holds whole GQA groups.
+    layout: ``"contiguous"`` (device ``d`` holds rows ``d*T/P .. (d+1)*T/P-1``) or ``"zigzag"``
+      (inputs permuted with :func:`zigzag_permute`; balances causal work: every device skips the
+      same number of fully masked blocks). Outputs come back in the same layout.
+    query_seq_lengths, key_value_seq_lengths: ``[B]`` valid lengths in *natural* positions (not
+      permuted, whatever the layout).
+    query_segment_ids, key_value_segment_ids: ``[B, T]`` / ``[B, S]`` in the *layout's* order.
+    skip_masked_blocks: skip (``lax.cond``) the compute of query/key chunk pairs that provably have
+      no visible pair (causal, window, lengths, segment ranges); forward and backward.
+    Other arguments as in :func:`jax_padsafe.dot_product_attention`.
+
+  Returns:
+    ``out [B, T, N, H]`` (and ``lse [B, N, T]`` float32 with ``return_lse=True``) in the layout's
+    order, sharded like the inputs.
+  """
+  V.check_alignment(causal_alignment)
+  if layout not in _LAYOUTS:
+    raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  V.check_float_inputs(query, key, value, rank=4, layout="[B, T, N, H]")
+  b, t, n, h = query.shape
+  s, nk = key.shape[1], key.shape[2]
+  if key.shape[0] != b:
+    raise ValueError(f"query batch ({b}) and key/value batch ({key.shape[0]}) differ")
+
+  num = _axis_size(mesh, axis_name, "axis_name")
+  nsub = 2 if layout == "zigzag" else 1
+  for what, length in (("query sequence length T", t), ("key/value sequence length S", s)):
+    if length % (num * nsub):
+      raise ValueError(
+          f"{what} ({length}) must be a multiple of {num * nsub} (= {num} devices on axis "
+          f"{axis_name!r}{' x 2 for the zigzag layout' if nsub == 2 else ''}); pad the sequence "
+          "(padding is free: mark it with lengths or negative segment ids)")
+  if batch_axis is not None and b % _axis_size(mesh, batch_axis, "batch_axis"):
+    raise ValueError(f"batch ({b}) must be a multiple of the size of batch_axis {batch_axis!r}")
+  if head_axis is not None:
+    hs = _axis_size(mesh, head_axis, "head_axis")
+    if nk % hs or n % hs:
+      raise ValueError(
+          f"head_axis {head_axis!r} splits heads {hs} ways, but a shard must hold whole GQA groups: "
+          f"the number of key/value heads ({nk}) and of query heads ({n}) must be multiples of "
+          f"{hs}. Shard fewer ways over heads, or replicate heads (head_axis=None).")
+  _check_distinct(axis_name, batch_axis, head_axis)
+
+  q_len = _api._lengths("query_seq_lengths", query_seq_lengths, b, t)  # pylint: disable=protected-access
+  kv_len = _api._lengths("key_value_seq_lengths", key_value_seq_lengths, b, s)  # pylint: disable=protected-access
+  if (query_segment_ids is None) != (key_value_segment_ids is None):
+    raise ValueError("query_segment_ids and key_value_segment_ids must be given together")
+  q_ids = _api._segment_ids("query_segment_ids", query_segment_ids, (b, t))  # pylint: disable=protected-access
+  kv_ids = _api._segment_ids("key_value_segment_ids", key_value_segment_ids, (b, s))  # pylint: disable=protected-access
+
+  # Natural position held by every layout slot; segments and positions follow the layout.
+  if layout == "zigzag":
+    rows_q = jnp.asarray(zigzag_indices(t, num))[None, :]
+    rows_k = jnp.asarray(zigzag_indices(s, num))[None, :]
+  else:
+    rows_q = jnp.arange(t, dtype=jnp.int32)[None, :]
+    rows_k = jnp.arange(s, dtype=jnp.int32)[None, :]
+  q_seg = _api._segments_from_lengths(rows_q, q_len, q_ids)  # pylint: disable=protected-access
+  k_seg = _api._segments_from_lengths(rows_k, kv_len, kv_ids)  # pylint: disable=protected-access
+  offset = (kv_len - q_len) if causal_alignment == "bottom_right" else jnp.zeros_like(q_len)
+  q_pos = jnp.broadcast_to(rows_q + offset[:, None], (b, t)).astype(jnp.int32)
+  k_pos = jnp.broadcast_to(rows_k, (b, s)).astype(jnp.int32)
+
+  spec = _api._make_spec(h, scale, is_causal, local_window_size, softcap, block_k)  # pylint: disable=protected-access
+  cfg = _RingConfig(spec=spec, mesh=mesh, axis_name=axis_name, batch_axis=batch_axis,
+                    head_axis=head_axis, nsub=nsub, skip=bool(skip_masked_blocks))
+
+  # Sanitise before any arithmetic (selects): padded rows become exact zeros, and the gradient of
+  # the select routes exact zeros to them.
+  q = _masking.zero_invalid_rows(query, q_seg)
+  k = _masking.zero_invalid_rows(key, k_seg)
+  v = _masking.zero_invalid_rows(value, k_seg)
+  sp = cfg.specs()
+  q, k, v = (_constrain(x, mesh, sp["x"]) for x in (q, k, v))
+  q_seg, k_seg, q_pos, k_pos = (_constrain(x, mesh, sp["row"]) for x in (q_seg, k_seg, q_pos, k_pos))
+  out, lse = _ring(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
+  return (out, lse) if return_lse else out
+
+
+def _has_explicit_axes(mesh):
+  explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+  return explicit is not None and any(t == explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _constrain(x, mesh, spec):
+  """Put ``x`` on ``NamedSharding(mesh, spec)``: ``reshard`` on meshes with Explicit axes (the
+  ``jax.make_mesh`` default from jax 0.10), a sharding constraint on Auto meshes."""
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  if _has_explicit_axes(mesh):
+    reshard = getattr(jax.sharding, "reshard", None) or getattr(jax, "reshard")
+    return reshard(x, sharding)
+  return lax.with_sharding_constraint(x, sharding)
+
+
+def _axis_size(mesh, axis, what):
+  names = axis if isinstance(axis, tuple) else (axis,)
+  size = 1
+  for name in names:
+    if name not in mesh.shape:
+      raise ValueError(f"{what}: {name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)})")
+    size *= mesh.shape[name]
+  return size
+
+
+def _check_distinct(*axes):
+  seen = []
+  for a in axes:
+    for name in (a if isinstance(a, tuple) else (a,)):
+      if name is None:
+        continue
+      if name in seen:
+        raise ValueError(f"mesh axis {name!r} is used twice among axis_name/batch_axis/head_axis")
+      seen.append(name)
+
+
+# --------------------------------------------------------------------------------------------------
+# The ring (custom_vjp outside, shard_map inside both halves)
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _RingConfig:
+  """Static (hashable) description of one ring: the custom_vjp's non-differentiable argument."""
+  spec: object
+  mesh: object
+  axis_name: object
+  batch_axis: object
+  head_axis: object
+  nsub: int
+  skip: bool
+
+  @property
+  def size(self):
+    return _axis_size(self.mesh, self.axis_name, "axis_name")
+
+  def specs(self):
+    seq, bat, hd = self.axis_name, self.batch_axis, self.head_axis
+    return dict(x=P(bat, seq, hd, None), row=P(bat, seq), lse=P(bat, hd, seq))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
+  return _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
+
+
+def _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
+  sp = cfg.specs()
+  fn = shard_map(functools.partial(_forward_local, cfg), mesh=cfg.mesh,
+                 in_specs=(sp["x"], sp["x"], sp["x"], sp["row"], sp["row"], sp["row"], sp["row"]),
+                 out_specs=(sp["x"], sp["lse"]))
+  return fn(q, k, v, q_seg, k_seg, q_pos, k_pos)
+
+
+def _ring_fwd(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
+  o, lse = _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
+  return (o, lse), (q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse)
+
+
+def _ring_bwd(cfg, res, cotangents):
+  q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse = res
+  do, dlse = cotangents
+  sp = cfg.specs()
+  fn = shard_map(functools.partial(_backward_local, cfg), mesh=cfg.mesh,
+                 in_specs=(sp["x"], sp["x"], sp["x"], sp["row"], sp["row"], sp["row"], sp["row"],
+                           sp["x"], sp["lse"], sp["x"], sp["lse"]),
+                 out_specs=(sp["x"], sp["x"], sp["x"]))
+  dq, dk, dv = fn(q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse)
+  return dq, dk, dv, None, None, None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-device bodies
+# --------------------------------------------------------------------------------------------------
+
+def _split(x, nsub, axis):
+  return jnp.split(x, nsub, axis=axis) if nsub > 1 else [x]
+
+
+def _shift(tree, cfg):
+  """Send every leaf to the next device of the ring (device d receives from d-1)."""
+  num = cfg.size
+  perm = [(i, (i + 1) % num) for i in range(num)]
+  return jax.tree_util.tree_map(lambda x: lax.ppermute(x, cfg.axis_name, perm), tree)
+
+
+def _may_see(spec, q_seg, q_pos, k_seg, k_pos):
+  """Scalar bool: False only if no (query, key) pair of these chunks can be visible.
+
+  Conservative (ranges over the whole local batch): a True block may still be fully masked.
+  Computed from segments and positions only, so it never depends on what padded memory holds.
+  """
+  qv, kv = q_seg >= 0, k_seg >= 0
+  big = jnp.int32(_BIG)
+  qmin = jnp.min(jnp.where(qv, q_pos, big))
+  qmax = jnp.max(jnp.where(qv, q_pos, -big))
+  kmin = jnp.min(jnp.where(kv, k_pos, big))
+  kmax = jnp.max(jnp.where(kv, k_pos, -big))
+  ok = jnp.any(qv) & jnp.any(kv)
+  if spec.causal:
+    ok &= kmin <= qmax
+  if spec.window_left is not None:
+    ok &= kmax >= qmin - min(spec.window_left, _BIG)
+  if spec.window_right is not None:
+    ok &= kmin <= qmax + min(spec.window_right, _BIG)
+  # Segments: the id ranges of the two chunks must overlap.
+  ok &= jnp.max(jnp.where(qv, q_seg, -1)) >= jnp.min(jnp.where(kv, k_seg, big))
+  ok &= jnp.max(jnp.where(kv, k_seg, -1)) >= jnp.min(jnp.where(qv, q_seg, big))
+  return ok
+
+
+def _merge(o_acc, lse_acc, o_blk, lse_blk):
+  """Combine two partial results through their lse (``-inf`` = saw nothing). Selects only."""
+  ninf = _F32(-jnp.inf)
+  mx = jnp.maximum(lse_acc, lse_blk)
+  empty = mx == ninf
+  mx_safe = jnp.where(empty, _F32(0), mx)          # finite: never -inf - -inf below
+  w_acc = jnp.where(lse_acc == ninf, _F32(0), jnp.exp(lse_acc - mx_safe))
+  w_blk = jnp.where(lse_blk == ninf, _F32(0), jnp.exp(lse_blk - mx_safe))
+  tot = jnp.where(empty, _F32(1), w_acc + w_blk)  # >= 1 where not empty
+  lse = jnp.where(empty, ninf, mx_safe + jnp.log(tot))
+
+  def rows(x):  # [B, N, T] -> [B, T, N, 1]
+    return jnp.transpose(x, (0, 2, 1))[..., None]
+
+  o = (rows(w_acc) * o_acc + rows(w_blk) * o_blk) / rows(tot)
+  o = jnp.where(rows(empty), _F32(0), o)
+  return o, lse
+
+
+def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
+  spec, nsub = cfg.spec, cfg.nsub
+  dtype = q.dtype
+  q32, k32, v32 = (x.astype(_F32) for x in (q, k, v))
+  qs = list(zip(_split(q32, nsub, 1), _split(q_seg, nsub, 1), _split(q_pos, nsub, 1)))
+  o_acc = [jnp.zeros(qa.shape[:3] + (v.shape[-1],), _F32) for qa, _, _ in qs]
+  lse_acc = [jnp.full((qa.shape[0], qa.shape[2], qa.shape[1]), -jnp.inf, _F32) for qa, _, _ in qs]
+
+  kv = (k32, v32, k_seg, k_pos)
+  num = cfg.size
+  for step in range(num):
+    # Issue the transfer of the next chunk before computing on this one (overlap).
+    kv_next = _shift(kv, cfg) if step < num - 1 else None
+    kc, vc, ksc, kpc = kv
+    chunks = list(zip(_split(kc, nsub, 1), _split(vc, nsub, 1), _split(ksc, nsub, 1),
+                      _split(kpc, nsub, 1)))
+    for a, (qa, qsa, qpa) in enumerate(qs):
+      for kb, vb, ksb, kpb in chunks:
+
+        def compute(o_a, lse_a, qa=qa, qsa=qsa, qpa=qpa, kb=kb, vb=vb, ksb=ksb, kpb=kpb):
+          o_b, lse_b = _xla.forward(spec, qa, kb, vb, None, None, qsa, ksb, qpa, kpb)
+          # Padded query rows report lse 0: for the merge they saw nothing.
+          lse_b = jnp.where((qsa >= 0)[:, None, :], lse_b, _F32(-jnp.inf))
+          return _merge(o_a, lse_a, o_b.astype(_F32), lse_b)
+
+        if cfg.skip:
+          o_acc[a], lse_acc[a] = lax.cond(_may_see(spec, qsa, qpa, ksb, kpb), compute,
+                                          lambda o_a, lse_a: (o_a, lse_a), o_acc[a], lse_acc[a])
+        else:
+          o_acc[a], lse_acc[a] = compute(o_acc[a], lse_acc[a])
+    kv = kv_next
+
+  o = jnp.concatenate(o_acc, axis=1) if nsub > 1 else o_acc[0]
+  lse = jnp.concatenate(lse_acc, axis=2) if nsub > 1 else lse_acc[0]
+  lse = jnp.where((q_seg >= 0)[:, None, :], lse, _F32(0))  # padded rows: lse exactly 0
+  return o.astype(dtype), lse
+
+
+def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
+  spec, nsub = cfg.spec, cfg.nsub
+  q32, k32, v32 = (x.astype(_F32) for x in (q, k, v))
+  qs = list(zip(_split(q32, nsub, 1), _split(q_seg, nsub, 1), _split(q_pos, nsub, 1),
+                _split(o, nsub, 1), _split(lse, nsub, 2), _split(do, nsub, 1),
+                _split(dlse, nsub, 2)))
+  dq = [jnp.zeros(qa.shape, _F32) for qa, *_ in qs]
+
+  kv = (k32, v32, k_seg, k_pos)
+  dkv = None  # the accumulator of the chunk currently held, received from the previous device
+  num = cfg.size
+  for step in range(num):
+    kv_next = _shift(kv, cfg) if step < num - 1 else None
+    kc, vc, ksc, kpc = kv
+    chunks = list(zip(_split(kc, nsub, 1), _split(vc, nsub, 1), _split(ksc, nsub, 1),
+                      _split(kpc, nsub, 1)))
+    dk_parts, dv_parts = [], []
+    for kb, vb, ksb, kpb in chunks:
+      dk_b = jnp.zeros(kb.shape, _F32)
+      dv_b = jnp.zeros(vb.shape, _F32)
+      for a, (qa, qsa, qpa, oa, la, doa, dla) in enumerate(qs):
+
+        def compute(dq_a, dk_b, dv_b, qa=qa, qsa=qsa, qpa=qpa, oa=oa, la=la, doa=doa, dla=dla,
+                    kb=kb, vb=vb, ksb=ksb, kpb=kpb):
+          g_q, g_k, g_v, _ = _xla.backward(spec, qa, kb, vb, None, None, qsa, ksb, qpa, kpb,
+                                           oa, la, doa, dla)
+          return dq_a + g_q, dk_b + g_k, dv_b + g_v
+
+        if cfg.skip:
+          dq[a], dk_b, dv_b = lax.cond(_may_see(spec, qsa, qpa, ksb, kpb), compute,
+                                       lambda *c: c, dq[a], dk_b, dv_b)
+        else:
+          dq[a], dk_b, dv_b = compute(dq[a], dk_b, dv_b)
+      dk_parts.append(dk_b)
+      dv_parts.append(dv_b)
+    dk_here = jnp.concatenate(dk_parts, axis=1) if nsub > 1 else dk_parts[0]
+    dv_here = jnp.concatenate(dv_parts, axis=1) if nsub > 1 else dv_parts[0]
+    dkv = (dk_here, dv_here) if dkv is None else (dkv[0] + dk_here, dkv[1] + dv_here)
+    # The accumulator travels with its chunk; after the last step it arrives home.
+    if num > 1:
+      dkv = _shift(dkv, cfg)
+    kv = kv_next
+
+  dq = jnp.concatenate(dq, axis=1) if nsub > 1 else dq[0]
+  return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)

@@ -1,0 +1,365 @@
+"""Sharding on 4 fake CPU devices (``tests/conftest.py`` sets
+``XLA_FLAGS=--xla_force_host_platform_device_count=4``).
+
+* Batch/head sharding of ``dot_product_attention`` / ``varlen_attention``: the compiled HLO of the
+  forward+backward has no all-gather/all-reduce, and results equal the single-device results.
+* The custom_partitioning mechanism for opaque (FFI) forwards, on a pure-JAX stand-in.
+* Ring attention (``jax_padsafe.sharding``): outputs, lse and gradients against the float64 oracle
+  and the single-device path, the contract's exact zeros, bitwise poison invariance, and only
+  collective-permutes in the HLO; contiguous and zigzag layouts, MHA and GQA, causal in both
+  alignments, window, softcap, lengths and segment ids.
+
+Every case compiles once and reuses the executable for all poisons (small shapes: the file runs in
+about a minute on two CPU cores).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_padsafe
+from jax_padsafe import _partitioning
+from jax_padsafe import sharding
+from tests import helpers, oracle
+
+pytestmark = pytest.mark.skipif(
+    len(jax.devices()) < 4 or jax.devices()[0].platform != "cpu",
+    reason="needs 4 (fake) CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=4")
+
+POISONS = ("nan", "inf", "huge")
+_COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+                         r"(-start)?\(")
+
+
+def collectives(hlo_text):
+  return sorted({m.group(1) for m in _COLLECTIVE.finditer(hlo_text)})
+
+
+def make_mesh(shape, names, explicit=False):
+  kinds = getattr(jax.sharding, "AxisType", None)
+  if kinds is None:
+    return jax.make_mesh(shape, names)
+  kind = kinds.Explicit if explicit else kinds.Auto
+  return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+
+
+def place(x, mesh, spec, dtype=None):
+  return jax.device_put(jnp.asarray(x, dtype), NamedSharding(mesh, spec))
+
+
+def compile_for(fn, mesh, args, specs):
+  """AOT-compiles ``fn`` for arguments placed on ``specs``; returns (executable, HLO text)."""
+  placed = [place(a, mesh, s) for a, s in zip(args, specs)]
+  compiled = jax.jit(fn).lower(*placed).compile()
+  return compiled, compiled.as_text()
+
+
+def poisoned_inputs(p, dtype, poison, rng, d_out, d_lse):
+  """Q, K, V, dO, dlse (natural order, NumPy) with every padded row poisoned."""
+  qv, kv = p.q_valid(), p.k_valid()
+  q = helpers.poison_rows(p.q, qv, poison, rng)
+  k = helpers.poison_rows(p.k, kv, poison, rng)
+  v = helpers.poison_rows(p.v, kv, poison, rng)
+  do = helpers.poison_rows(d_out, qv, poison, rng)
+  dl = np.where(qv[:, None, :], d_lse, helpers.poison_like(d_lse.shape, poison, rng))
+  return [np.asarray(jnp.asarray(x, dtype)) for x in (q, k, v, do)] + [np.asarray(dl, np.float32)]
+
+
+def assert_matches_single_device(ours, single, dtype, names):
+  for name in names:
+    a, b = np.asarray(ours[name], np.float64), np.asarray(single[name], np.float64)
+    assert np.array_equal(np.isfinite(a), np.isfinite(b)), f"{name}: non-finite pattern differs"
+    fin = np.isfinite(b)
+    assert np.array_equal(a[~fin], b[~fin]), name
+    tol = (4 * float(jnp.finfo(dtype).eps) + 1e-6) * max(1.0, float(np.max(np.abs(b[fin]), initial=0)))
+    np.testing.assert_allclose(a[fin], b[fin], rtol=0, atol=tol, err_msg=name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Batch / head sharding of the public functions
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["mha_batch_heads", "gqa_batch_heads_segments"])
+def test_batch_head_sharded_padded(case):
+  rng = np.random.default_rng(11)
+  if case == "mha_batch_heads":
+    p = helpers.random_problem(rng, b=4, t=24, s=40, n=4, k=4, h=16, q_len=[24, 9, 0, 3],
+                               kv_len=[40, 5, 7, 0], causal=True, bottom_right=True, softcap=20.0)
+  else:
+    ids = np.repeat(np.array([[0, 1, 2, -1]]), 6, axis=1).repeat(4, 0)
+    p = helpers.random_problem(rng, b=4, t=24, s=24, n=8, k=2, h=16, q_len=[24, 20, 1, 13],
+                               kv_len=[24, 11, 24, 5], causal=True, window=(6, None),
+                               q_ids=ids, kv_ids=ids[:, ::-1].copy())
+  mesh = make_mesh((2, 2), ("data", "model"))
+  x, lse = P("data", None, "model", None), P("data", "model", None)
+  runner = helpers.make_runner(p, "xla")
+  d_out, d_lse = helpers.cotangents(p, rng)
+  dtype = jnp.float32
+
+  inputs = poisoned_inputs(p, dtype, "zero", rng, d_out, d_lse)
+  args = inputs[:3] + [None] + inputs[3:]
+  placed = [None if a is None else place(a, mesh, s)
+            for a, s in zip(args, (x, x, x, None, x, lse))]
+  compiled = jax.jit(runner).lower(*placed).compile()
+  assert collectives(compiled.as_text()) == [], "batch/head-sharded attention must not communicate"
+
+  def run(poison):
+    inp = poisoned_inputs(p, dtype, poison, rng, d_out, d_lse)
+    args = inp[:3] + [None] + inp[3:]
+    res = compiled(*[None if a is None else place(a, mesh, s)
+                     for a, s in zip(args, (x, x, x, None, x, lse))])
+    assert res["out"].sharding.spec[:3] == ("data", None, "model")
+    return {k: np.asarray(v) for k, v in res.items()}
+
+  base = run("zero")
+  single = helpers.run_padded(p, dtype, runner, d_out=d_out, d_lse=d_lse)
+  names = ["out", "lse", "dq", "dk", "dv"]
+  assert_matches_single_device(base, single, dtype, names)
+  ref = oracle.reference(p, d_out, d_lse)
+  helpers.assert_contract_zeros(p, base, ref)
+  for poison in POISONS:
+    got = run(poison)
+    for name in names:
+      helpers.assert_bitwise_equal(got[name], base[name], f"{name} with {poison} in the padding")
+
+
+def test_head_sharded_varlen():
+  rng = np.random.default_rng(5)
+  n, kh, h = 4, 2, 16
+  cu = np.array([0, 10, 30, 40], np.int32)
+  used = np.array([10, 15, 7], np.int32)
+  total = 48
+  valid = np.zeros(total, bool)
+  for i in range(3):
+    valid[cu[i]:cu[i] + used[i]] = True
+  q, k, v = (rng.standard_normal((total, m, h)) for m in (n, kh, kh))
+  do, dl = rng.standard_normal((total, n, h)), rng.standard_normal((n, total))
+
+  def run(q, k, v, do, dl):
+    f = lambda q, k, v: jax_padsafe.varlen_attention(
+        q, k, v, jnp.asarray(cu), jnp.asarray(cu), seqused_q=jnp.asarray(used),
+        seqused_k=jnp.asarray(used), is_causal=True, return_lse=True, implementation="xla",
+        block_k=8)
+    (o, lse), vjp = jax.vjp(f, q, k, v)
+    return (o, lse) + vjp((do, dl))
+
+  mesh = make_mesh((2, 2), ("data", "model"))
+  x, lse = P(None, "model", None), P("model", None)
+  specs = (x, x, x, x, lse)
+
+  def inputs(poison):
+    vm = valid[None]
+    pq, pk, pv, pdo = (helpers.poison_rows(a[None], vm, poison, rng)[0] for a in (q, k, v, do))
+    pdl = np.where(valid[None], dl, helpers.poison_like(dl.shape, poison, rng))
+    return [pq, pk, pv, pdo, pdl]
+
+  compiled, hlo = compile_for(run, mesh, [np.float32(a) for a in inputs("zero")], specs)
+  assert collectives(hlo) == []
+  base = [np.asarray(r) for r in compiled(*[place(a, mesh, s, jnp.float32)
+                                             for a, s in zip(inputs("zero"), specs)])]
+  single = [np.asarray(r) for r in jax.jit(run)(*[jnp.float32(a) for a in inputs("zero")])]
+  names = ["out", "lse", "dq", "dk", "dv"]
+  assert_matches_single_device(dict(zip(names, base)), dict(zip(names, single)), jnp.float32, names)
+  assert np.all(base[0][~valid] == 0) and np.all(base[1][:, ~valid] == 0)
+  for poison in POISONS:
+    got = compiled(*[place(a, mesh, s, jnp.float32) for a, s in zip(inputs(poison), specs)])
+    for name, a, b in zip(names, got, base):
+      helpers.assert_bitwise_equal(a, b, f"{name} with {poison} in the padding")
+
+
+# --------------------------------------------------------------------------------------------------
+# custom_partitioning mechanism for opaque forwards (stand-in for the FFI kernel)
+# --------------------------------------------------------------------------------------------------
+
+def standin_flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *,
+                          max_seqlen_q, max_seqlen_k, scale, causal, bottom_right, window_left,
+                          window_right, softcap):
+  """Pure-JAX stand-in with the signature of ``jax_padsafe._cute.ops.flash_forward``."""
+  del max_seqlen_q, max_seqlen_k
+  return jax_padsafe.varlen_attention(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, scale=scale,
+      is_causal=causal, causal_alignment="bottom_right" if bottom_right else "top_left",
+      local_window_size=(window_left, window_right), softcap=softcap or None, return_lse=True,
+      implementation="xla", block_k=16)
+
+
+_STATIC = dict(max_seqlen_q=16, max_seqlen_k=16, scale=0.25, causal=True, bottom_right=True,
+               window_left=-1, window_right=-1, softcap=0.0)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 1), (6, 3)], ids=["gqa", "mqa", "gqa_unshardable"])
+def test_partitioned_forward(layout, heads):
+  n, kh = heads
+  rng = np.random.default_rng(n * kh)
+  mesh = make_mesh((2, 2), ("data", "model"))
+  b, t = 4, 16
+  lens = jnp.array([16, 5, 0, 9], jnp.int32)
+  q = jnp.asarray(rng.standard_normal((b, t, n, 8)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((b, t, kh, 8)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((b, t, kh, 8)), jnp.float32)
+  kv_heads = "model" if kh % 2 == 0 else None
+  if layout == "packed":
+    fn = _partitioning.partition_packed_forward(standin_flash_forward)
+    cu = jnp.arange(b + 1, dtype=jnp.int32) * t
+    args = (q.reshape(b * t, n, 8), k.reshape(b * t, kh, 8), v.reshape(b * t, kh, 8), cu, cu, lens,
+            lens)
+    specs = (P(None, "model"), P(None, kv_heads), P(None, kv_heads), P(), P(), P(), P())
+    expected = standin_flash_forward(*args, **_STATIC)
+  else:
+    fn = _partitioning.partition_padded_forward(_partitioning.packed_to_padded(standin_flash_forward))
+    args = (q, k, v, lens, lens)
+    specs = (P("data", None, "model"), P("data", None, kv_heads), P("data", None, kv_heads),
+             P("data"), P("data"))
+    expected = _partitioning.packed_to_padded(standin_flash_forward)(*args, **_STATIC)
+  call = lambda *a: fn(*a, **_STATIC)
+  compiled, hlo = compile_for(call, mesh, args, specs)
+  got = compiled(*[place(a, mesh, s) for a, s in zip(args, specs)])
+  for a, e in zip(got, expected):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6, atol=1e-6)
+  if kh % 2 == 0 or kh == 1:
+    assert collectives(hlo) == [], "whole-group head sharding must run shard-local"
+    assert got[0].sharding.spec[1 if layout == "packed" else 2] == "model"
+  else:
+    # 3 key/value heads cannot be split 2 ways: documented re-shard (heads gathered), still right.
+    assert "all-gather" in collectives(hlo)
+    strict = _partitioning.partition_packed_forward(standin_flash_forward, head_sharding="strict") \
+        if layout == "packed" else _partitioning.partition_padded_forward(
+            _partitioning.packed_to_padded(standin_flash_forward), head_sharding="strict")
+    with pytest.raises(Exception, match="whole groups"):
+      compile_for(lambda *a: strict(*a, **_STATIC), mesh, args, specs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ring attention
+# --------------------------------------------------------------------------------------------------
+
+RING_CASES = {
+    # name: (problem kwargs, dtype, mesh shape, mesh names, seq axis, batch axis, head axis, layout)
+    "mha_full_contiguous": (
+        dict(b=2, t=32, s=32, n=2, k=2, h=16, q_len=[32, 19], kv_len=[27, 32]),
+        jnp.float32, (4,), ("seq",), "seq", None, None, "contiguous"),
+    "gqa_causal_zigzag": (
+        dict(b=2, t=32, s=32, n=4, k=2, h=16, q_len=[32, 21], kv_len=[32, 21], causal=True),
+        jnp.float32, (4,), ("seq",), "seq", None, None, "zigzag"),
+    "gqa_causal_bottom_right_zigzag_bf16": (
+        dict(b=2, t=16, s=32, n=4, k=1, h=16, q_len=[16, 6], kv_len=[30, 9], causal=True,
+             bottom_right=True),
+        jnp.bfloat16, (4,), ("seq",), "seq", None, None, "zigzag"),
+    "window_softcap_segments_data_x_seq": (
+        dict(b=2, t=32, s=32, n=4, k=2, h=16, q_len=[32, 25], kv_len=[32, 30], causal=True,
+             window=(5, None), softcap=15.0),
+        jnp.float32, (2, 2), ("data", "seq"), "seq", "data", None, "zigzag"),
+    "gqa_heads_x_seq_explicit_mesh": (
+        dict(b=1, t=24, s=24, n=4, k=2, h=16, q_len=[17], kv_len=[23], causal=True),
+        jnp.float32, (2, 2), ("model", "seq"), "seq", None, "model", "contiguous"),
+}
+
+
+def _ring_problem(name, rng):
+  kw, *_ = RING_CASES[name]
+  kw = dict(kw)
+  if name.startswith("window_softcap_segments"):
+    t = kw["t"]
+    ids = np.where(np.arange(t) < 13, 0, 1)[None].repeat(kw["b"], 0)
+    ids[1, 29:] = -1
+    kw.update(q_ids=ids, kv_ids=ids.copy())
+  return helpers.random_problem(rng, **kw)
+
+
+@pytest.mark.parametrize("name", list(RING_CASES))
+def test_ring_attention(name):
+  _, dtype, shape, names, axis, batch_axis, head_axis, layout = RING_CASES[name]
+  rng = np.random.default_rng(len(name))
+  p = _ring_problem(name, rng)
+  mesh = make_mesh(shape, names, explicit=name.endswith("explicit_mesh"))
+  ways = mesh.shape[axis]
+  b, t, n, h, s, kh = p.shape
+  idx_q = sharding.zigzag_indices(t, ways) if layout == "zigzag" else np.arange(t)
+  idx_k = sharding.zigzag_indices(s, ways) if layout == "zigzag" else np.arange(s)
+  inv_q, inv_k = np.argsort(idx_q), np.argsort(idx_k)
+
+  kw = helpers.api_kwargs(p, "xla")
+  del kw["implementation"]
+  if "query_segment_ids" in kw:  # segment ids follow the layout; lengths stay natural
+    kw["query_segment_ids"] = kw["query_segment_ids"][:, idx_q]
+    kw["key_value_segment_ids"] = kw["key_value_segment_ids"][:, idx_k]
+
+  def run(q, k, v, do, dl, skip=True):
+    f = lambda q, k, v: sharding.ring_attention(
+        q, k, v, mesh=mesh, axis_name=axis, batch_axis=batch_axis, head_axis=head_axis,
+        layout=layout, return_lse=True, block_k=8, skip_masked_blocks=skip, **kw)
+    (o, lse), vjp = jax.vjp(f, q, k, v)
+    return (o, lse) + vjp((do, dl))
+
+  x = P(batch_axis, axis, head_axis, None)
+  lse_spec = P(batch_axis, head_axis, axis)
+  specs = (x, x, x, x, lse_spec)
+  d_out, d_lse = helpers.cotangents(p, rng)
+
+  def layout_inputs(poison):
+    q, k, v, do, dl = poisoned_inputs(p, dtype, poison, rng, d_out, d_lse)
+    return [q[:, idx_q], k[:, idx_k], v[:, idx_k], do[:, idx_q], dl[:, :, idx_q]]
+
+  compiled, hlo = compile_for(run, mesh, layout_inputs("zero"), specs)
+  assert collectives(hlo) == ["collective-permute"], collectives(hlo)
+
+  def results(poison, exe=compiled):
+    o, lse, dq, dk, dv = (np.asarray(r) for r in exe(*[place(a, mesh, sp) for a, sp in
+                                                          zip(layout_inputs(poison), specs)]))
+    return dict(out=o[:, inv_q], lse=lse[:, :, inv_q], dq=dq[:, inv_q], dk=dk[:, inv_k],
+                dv=dv[:, inv_k])
+
+  base = results("zero")
+  names = ["out", "lse", "dq", "dk", "dv"]
+  ref = oracle.reference(p, d_out, d_lse)
+  helpers.assert_close_to_oracle(base, ref, helpers.naive_lowp(p, dtype, d_out, d_lse), dtype, names)
+  helpers.assert_contract_zeros(p, base, ref)
+  single = helpers.run_padded(p, dtype, helpers.make_runner(p, "xla"), d_out=d_out, d_lse=d_lse)
+  assert_matches_single_device(base, single, dtype, names)
+  for poison in POISONS:
+    got = results(poison)
+    for nm in names:
+      helpers.assert_bitwise_equal(got[nm], base[nm], f"{nm} with {poison} in the padding")
+
+  if name == "gqa_causal_zigzag":
+    # Skipping fully masked chunk pairs changes nothing but rounding (XLA fuses the two programs
+    # differently); the exact zeros and -inf entries are identical.
+    no_skip, _ = compile_for(lambda *a: run(*a, skip=False), mesh, layout_inputs("zero"), specs)
+    assert_matches_single_device(results("zero", no_skip), base, dtype, names)
+
+
+def test_zigzag_roundtrip_and_balance():
+  x = jnp.arange(2 * 16).reshape(2, 16)
+  z = sharding.zigzag_permute(x, 4)
+  assert np.array_equal(np.asarray(z[0]), [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9])
+  assert np.array_equal(np.asarray(sharding.zigzag_unpermute(z, 4)), np.asarray(x))
+  lse = jnp.arange(16.0).reshape(1, 1, 16)
+  assert np.array_equal(np.asarray(sharding.zigzag_unpermute(sharding.zigzag_permute(lse, 4, -1), 4, -1)),
+                        np.asarray(lse))
+  # Causal work per device (visible pairs) is equal in the zigzag layout.
+  idx = sharding.zigzag_indices(16, 4).reshape(4, 4)
+  work = [int(sum(i + 1 for i in rows)) for rows in idx]
+  assert len(set(work)) == 1
+  with pytest.raises(ValueError, match="multiple of 2"):
+    sharding.zigzag_permute(jnp.zeros((1, 12)), 4)
+
+
+def test_ring_bad_inputs():
+  mesh = make_mesh((4,), ("seq",))
+  q = jnp.zeros((1, 16, 4, 8))
+  kv = jnp.zeros((1, 16, 2, 8))
+  with pytest.raises(ValueError, match="multiple of 8"):
+    sharding.ring_attention(q[:, :12], kv, kv, mesh=mesh, axis_name="seq", layout="zigzag")
+  with pytest.raises(ValueError, match="not an axis"):
+    sharding.ring_attention(q, kv, kv, mesh=mesh, axis_name="sp")
+  mesh2 = make_mesh((2, 2), ("model", "seq"))
+  with pytest.raises(ValueError, match="whole GQA groups"):
+    sharding.ring_attention(q, kv[:, :, :1], kv[:, :, :1], mesh=mesh2, axis_name="seq",
+                            head_axis="model")
+  with pytest.raises(ValueError, match="layout"):
+    sharding.ring_attention(q, kv, kv, mesh=mesh, axis_name="seq", layout="striped")
