@@ -350,6 +350,17 @@ def _shift(tree, cfg):
   return jax.tree_util.tree_map(lambda x: lax.ppermute(x, cfg.axis_name, perm), tree)
 
 
+def _pack_chunk(k, v, k_seg, k_pos):
+  """What travels around the ring: K and V in the input dtype (half the bytes of fp32 for bf16)
+  and the key segments/positions, as two arrays (two collective-permutes per hop)."""
+  return jnp.stack([k, v]), jnp.stack([k_seg, k_pos])
+
+
+def _unpack_chunk(kv):
+  kvf, kvi = kv
+  return kvf[0].astype(_F32), kvf[1].astype(_F32), kvi[0], kvi[1]
+
+
 def _may_see(spec, q_seg, q_pos, k_seg, k_pos):
   """Scalar bool: False only if no (query, key) pair of these chunks can be visible.
 
@@ -397,17 +408,17 @@ def _merge(o_acc, lse_acc, o_blk, lse_blk):
 def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
   spec, nsub = cfg.spec, cfg.nsub
   dtype = q.dtype
-  q32, k32, v32 = (x.astype(_F32) for x in (q, k, v))
+  q32 = q.astype(_F32)
   qs = list(zip(_split(q32, nsub, 1), _split(q_seg, nsub, 1), _split(q_pos, nsub, 1)))
   o_acc = [jnp.zeros(qa.shape[:3] + (v.shape[-1],), _F32) for qa, _, _ in qs]
   lse_acc = [jnp.full((qa.shape[0], qa.shape[2], qa.shape[1]), -jnp.inf, _F32) for qa, _, _ in qs]
 
-  kv = (k32, v32, k_seg, k_pos)
+  kv = _pack_chunk(k, v, k_seg, k_pos)
   num = cfg.size
   for step in range(num):
     # Issue the transfer of the next chunk before computing on this one (overlap).
     kv_next = _shift(kv, cfg) if step < num - 1 else None
-    kc, vc, ksc, kpc = kv
+    kc, vc, ksc, kpc = _unpack_chunk(kv)
     chunks = list(zip(_split(kc, nsub, 1), _split(vc, nsub, 1), _split(ksc, nsub, 1),
                       _split(kpc, nsub, 1)))
     for a, (qa, qsa, qpa) in enumerate(qs):
@@ -434,18 +445,18 @@ def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
 
 def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
   spec, nsub = cfg.spec, cfg.nsub
-  q32, k32, v32 = (x.astype(_F32) for x in (q, k, v))
+  q32 = q.astype(_F32)
   qs = list(zip(_split(q32, nsub, 1), _split(q_seg, nsub, 1), _split(q_pos, nsub, 1),
                 _split(o, nsub, 1), _split(lse, nsub, 2), _split(do, nsub, 1),
                 _split(dlse, nsub, 2)))
   dq = [jnp.zeros(qa.shape, _F32) for qa, *_ in qs]
 
-  kv = (k32, v32, k_seg, k_pos)
-  dkv = None  # the accumulator of the chunk currently held, received from the previous device
+  kv = _pack_chunk(k, v, k_seg, k_pos)
+  dkv = None  # [2, ...] fp32 dK/dV of the chunk currently held, received from the previous device
   num = cfg.size
   for step in range(num):
     kv_next = _shift(kv, cfg) if step < num - 1 else None
-    kc, vc, ksc, kpc = kv
+    kc, vc, ksc, kpc = _unpack_chunk(kv)
     chunks = list(zip(_split(kc, nsub, 1), _split(vc, nsub, 1), _split(ksc, nsub, 1),
                       _split(kpc, nsub, 1)))
     dk_parts, dv_parts = [], []
@@ -469,7 +480,8 @@ def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
       dv_parts.append(dv_b)
     dk_here = jnp.concatenate(dk_parts, axis=1) if nsub > 1 else dk_parts[0]
     dv_here = jnp.concatenate(dv_parts, axis=1) if nsub > 1 else dv_parts[0]
-    dkv = (dk_here, dv_here) if dkv is None else (dkv[0] + dk_here, dkv[1] + dv_here)
+    here = jnp.stack([dk_here, dv_here])
+    dkv = here if dkv is None else dkv + here
     # The accumulator travels with its chunk; after the last step it arrives home.
     if num > 1:
       dkv = _shift(dkv, cfg)
