@@ -58,13 +58,23 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_forward.json"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--impls", default="cute,cudnn,xla")
+    ap.add_argument("--dims", default="")
+    ap.add_argument("--seqs", default="")
+    ap.add_argument("--no-padded", action="store_true")
     a = ap.parse_args()
     dev = jax.devices()[0].device_kind
     rows = []
     dims = (128,) if a.quick else (64, 128, 256)
     seqs = (2048, 8192) if a.quick else (512, 2048, 8192, 16384)
+    if a.dims:
+        dims = tuple(int(x) for x in a.dims.split(","))
+    if a.seqs:
+        seqs = tuple(int(x) for x in a.seqs.split(","))
+    impls = tuple(a.impls.split(","))
     cases = [(D, S, c, False) for D in dims for S in seqs for c in (False, True)]
-    cases += [(D, 2048, c, True) for D in dims for c in (False, True)]
+    if not a.no_padded:
+        cases += [(D, 2048, c, True) for D in dims for c in (False, True)]
     for D, S, causal, padded in cases:
         N = 2048 // D
         B = max(1, 16384 // S)
@@ -81,7 +91,7 @@ def main():
         flops = 4 * N * D * pairs
         row = dict(head_dim=D, heads=N, seqlen=S, batch=B, causal=causal, padded=padded,
                    padding_frac=round(1 - lens.sum() / (B * S), 3))
-        for impl in ("cute", "cudnn", "xla"):
+        for impl in impls:
             if impl == "xla" and S > 8192:
                 row[impl] = None
                 continue

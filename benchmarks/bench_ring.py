@@ -16,6 +16,13 @@ FLOPs counted: ``4 * B * N * H * pairs`` forward, ``pairs = T*S`` (non-causal) o
 ``../shared/TOOLCHAIN_FACTS.md``. Timing: jit, 2 warm-up calls, median of ``--rounds`` rounds of
 ``--iters`` calls around ``block_until_ready``.
 
+Read the efficiency with two facts in mind: FLOPs count only the useful (visible) pairs, and the
+single-device pure-JAX loop computes every key block (masked ones included) while the ring skips
+chunk pairs that are wholly masked, so a causal ring can exceed an efficiency of 1. Transfers
+overlap with compute only where XLA's latency-hiding scheduler moves the async
+collective-permutes (default on GPUs; ``XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true``
+forces it).
+
 GPU (the lead runs this on 2 H200s)::
 
     PYTHONPATH=. python benchmarks/bench_ring.py --out $OUT/bench_ring.json

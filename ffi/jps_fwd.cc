@@ -114,7 +114,10 @@ ffi::Error FwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   if (total_q >= (int64_t(1) << 30) || total_k >= (int64_t(1) << 30) || max_seqlen_q < 0)
     return Invalid("lengths must be below 2**30");
   if (N > 65535 || B > 65535) return Invalid("num_heads and batch must be at most 65535");
-  if (!(scale == scale) || std::isinf(scale) || !(softcap >= 0.0f) || std::isinf(softcap)) return Invalid("scale must be finite, softcap finite and >= 0");
+  // scale > 0: the kernel folds it into exp2(s * scale * log2e - m * scale * log2e) with m the max of the raw
+  // scores.  ops.flash_forward maps scale < 0 onto (-q, -scale) and scale == 0 onto (q = 0, scale 1).
+  if (!(scale > 0.0f) || std::isinf(scale) || !(softcap >= 0.0f) || std::isinf(softcap))
+    return Invalid("scale must be finite and > 0, softcap finite and >= 0");
 
   // Padding is zero by construction: both outputs start as zeros, the kernel writes valid rows only.
   cudaError_t err = cudaMemsetAsync(o->untyped_data(), 0, o->size_bytes(), stream);

@@ -31,10 +31,8 @@ case "$cmd" in
     # The same kernels inside CUDA graphs (XLA command buffers with custom calls).
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
       python3 tests/gpu/check_forward.py --quick 2>&1 | tail -4 | tee "$out/check_cmdbuf.log" || rc=1
-    if ls tests/test_contract*.py >/dev/null 2>&1; then
-      JAX_PADSAFE_TEST_IMPLEMENTATIONS=cute python3 -m pytest -q -x tests/test_contract*.py -k cute 2>&1 | tail -15 \
-        | tee "$out/contract_cute.log" || rc=1
-    fi
+    # The project's CPU test suite on the GPU, implementation="cute" parametrisations only.
+    python3 -m pytest -q tests --ignore=tests/gpu -k cute -rs 2>&1 | tail -40 | tee "$out/tests_cute.log" || rc=1
     [ -n "${JPS_SKIP_BENCH:-}" ] || python3 benchmarks/bench_forward.py $quick --out "$out/bench_forward.json" 2>&1 \
       | tee "$out/bench_forward.log" | tail -40
     exit $rc

@@ -151,6 +151,12 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, 
     if reason is not None:
         raise NotImplementedError(reason)
     library_available()  # registers the target when the library is present
+    # The kernel needs scale > 0 (it takes the row max over raw scores).  Exact rewrites otherwise:
+    # softmax(c q.k) with c < 0 is softmax(|c| (-q).k); with c == 0 every logit is 0, as with q = 0.
+    if scale < 0:
+        q, scale = -q, -scale
+    elif scale == 0:
+        q, scale = jnp.zeros_like(q), 1.0
 
     call = jax.ffi.ffi_call(
         TARGET_NAME,

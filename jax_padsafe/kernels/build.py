@@ -3,7 +3,8 @@
     python -m jax_padsafe.kernels.build --archs sm_80,sm_90a --out build/kernels [--dtypes bf16]
         [--head-dims 64,128] [--softcap 0,1] [--jobs 2]
 
-Environment overrides (for `pip install .` / CMake): JPS_ARCHS, JPS_DTYPES, JPS_HEAD_DIMS, JPS_SOFTCAP.
+Environment overrides (for `pip install .` / CMake): JPS_ARCHS, JPS_DTYPES, JPS_HEAD_DIMS, JPS_SOFTCAP,
+JPS_JOBS, and JPS_TILES (tile experiments, e.g. "128=128x64x256,64=128x128x256": head_dim=BMxBNxTHREADS).
 For every variant this writes `<prefix>.o` + `<prefix>.h` (export_to_c), then `jps_registry.h`:
 a table of every built variant with a uniform launch adapter, which `ffi/` compiles in.
 """
@@ -17,8 +18,16 @@ import time
 from . import variants as V
 
 
+def _apply_tile_overrides():
+    for item in os.environ.get("JPS_TILES", "").split(","):
+        if item.strip():
+            hd, cfg = item.split("=")
+            V.TILES[int(hd)] = tuple(int(x) for x in cfg.split("x"))
+
+
 def _compile_one(args):
     variant, out = args
+    _apply_tile_overrides()
     os.environ["CUTE_DSL_ARCH"] = variant.arch
     import ctypes
 
@@ -119,6 +128,7 @@ def main(argv=None):
     ap.add_argument("--out", default="build/kernels")
     ap.add_argument("--jobs", type=int, default=int(os.environ.get("JPS_JOBS", os.cpu_count() or 1)))
     a = ap.parse_args(argv)
+    _apply_tile_overrides()
     os.makedirs(a.out, exist_ok=True)
     todo = V.matrix(
         _csv(a.archs), _csv(a.dtypes), _csv(a.head_dims, int), _csv(a.softcap, lambda x: bool(int(x)))

@@ -104,11 +104,13 @@ class FlashFwdSm80:
         m_block, head, batch = cute.arch.block_idx()
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         if m_block * self.block_m < q_len:
-            self.tile(
+            args = (
                 mQ, mK, mV, mO, mLSE, mCuK, mUsedK, score_mul, cap_mul,
                 window_left, window_right, bottom_right, sQ_layout, sKV_layout,
                 copy_in, copy_out, tiled_mma, SharedStorage, m_block, head, batch, q_start, q_len,
             )
+            # Without softcap the scale (> 0, checked by the FFI handler) is folded into the exp2 FFMA.
+            self.tile(*args, not self.has_softcap)
 
     @cute.jit
     def tile(
@@ -136,6 +138,7 @@ class FlashFwdSm80:
         batch: cutlass.Int32,
         q_start: cutlass.Int32,
         q_len: cutlass.Int32,
+        raw_scores: cutlass.Constexpr,
     ):
         BM = self.block_m
         BN = self.block_n
@@ -146,6 +149,9 @@ class FlashFwdSm80:
         n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
         head_kv = head // (mQ.shape[1] // mK.shape[1])
         m0 = m_block * BM
+        mul = cutlass.Float32(1.0)
+        if cutlass.const_expr(raw_scores):
+            mul = score_mul
 
         # Global tiles of this sequence and head.
         gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, head, None]), (BM, HD), (m_block, 0))
@@ -228,15 +234,15 @@ class FlashFwdSm80:
                 tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_block - 1], tKsK, tKcK, (n_block - 1) * BN, k_len)
                 cute.arch.cp_async_commit_group()
 
-            # Scores in the exp2 domain, soft-capped, masked.
+            # Scores: raw (scale folded into the softmax) or in the exp2 domain (scaled / soft-capped); masked.
             s_mn = masking.acc_mn_view(acc_S)
             if cutlass.const_expr(self.has_softcap):
                 acc_S.store(cute.math.tanh(acc_S.load() * score_mul, fastmath=False) * cap_mul)
-            else:
+            elif cutlass.const_expr(not raw_scores):
                 acc_S.store(acc_S.load() * score_mul)
             if bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right):
                 masking.apply_visibility_mask(s_mn, cS_mn, m0, n_block * BN, k_len, off, left, right)
-            softmax.online_softmax_step(s_mn, masking.acc_mn_view(acc_O), row_max, row_sum)
+            softmax.online_softmax_step(s_mn, masking.acc_mn_view(acc_O), row_max, row_sum, mul)
 
             # O += P V
             rP = cute.make_fragment_like(acc_S, self.dtype)
@@ -253,7 +259,7 @@ class FlashFwdSm80:
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
         lse_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        softmax.finalize(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows)
+        softmax.finalize(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows, mul)
 
         # lse: one thread of each quad writes its rows.
         cO_mn = masking.acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BM, HD))))

@@ -1,7 +1,9 @@
 """Online softmax in the exp2 domain; never evaluates exp(-inf - -inf).
 
-Scores arrive already multiplied by scale*log2(e) (and soft-capped), masked entries are -inf.
-Per row the state is (m, l): running max and this thread's partial sum of exp2(s - m).
+Scores s arrive either already in the exp2 domain (multiplied by scale*log2(e), or soft-capped),
+with mul = 1, or raw (q.k) with mul = scale*log2(e) > 0 folded into one FFMA per element.
+Masked entries are -inf.  Per row the state is (m, l): running max of the raw scores and this
+thread's partial sum of exp2(s*mul - m*mul).
 """
 
 import math
@@ -20,8 +22,10 @@ def quad_allreduce(val, op):
 
 
 @cute.jit
-def online_softmax_step(s_mn: cute.Tensor, o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor):
-    """Turn scores s into probabilities in place and rescale the O accumulator rows."""
+def online_softmax_step(
+    s_mn: cute.Tensor, o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, mul: cutlass.Float32
+):
+    """Turn scores s into probabilities in place and rescale the O accumulator rows (mul > 0)."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = s_mn[r, None].load()
         m_tile = quad_allreduce(
@@ -35,8 +39,9 @@ def online_softmax_step(s_mn: cute.Tensor, o_mn: cute.Tensor, row_max: cute.Tens
         m_safe = m_new
         if m_new == -cutlass.Float32.inf:
             m_safe = cutlass.Float32(0.0)
-        p = cute.math.exp2(row - m_safe, fastmath=True)
-        alpha = cute.math.exp2(m_old - m_safe, fastmath=True)
+        m_scaled = m_safe * mul
+        p = cute.math.exp2(row * mul - m_scaled, fastmath=True)
+        alpha = cute.math.exp2(m_old * mul - m_scaled, fastmath=True)
         row_sum[r] = row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
         row_max[r] = m_new
         s_mn[r, None] = p
@@ -44,8 +49,8 @@ def online_softmax_step(s_mn: cute.Tensor, o_mn: cute.Tensor, row_max: cute.Tens
 
 
 @cute.jit
-def finalize(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor):
-    """O /= l and lse = (m + log2 l) * ln 2 per row.  A row that saw no visible key (m = -inf)
+def finalize(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor, mul: cutlass.Float32):
+    """O /= l and lse = (m*mul + log2 l) * ln 2 per row.  A row that saw no visible key (m = -inf)
     gets O = 0 exactly and lse = -inf (selects, no 0 * x)."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
         l = quad_allreduce(row_sum[r], lambda a, b: a + b)
@@ -55,7 +60,7 @@ def finalize(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse:
         lse_r = -cutlass.Float32.inf
         if not empty:
             inv = cute.arch.rcp_approx(l)
-            lse_r = (m + cute.math.log2(l, fastmath=False)) * LN2
+            lse_r = (m * mul + cute.math.log2(l, fastmath=False)) * LN2
         o_mn[r, None] = o_mn[r, None].load() * inv
         for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
             if empty:

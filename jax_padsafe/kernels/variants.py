@@ -12,8 +12,9 @@ DTYPES = ("bf16", "fp16")
 HEAD_DIMS = (64, 96, 128, 192, 256)
 SOFTCAP = (False, True)
 
-# (block_m, block_n, num_threads) per head dim: 4 warps, FlashAttention-2's SM80 choices.
-TILES = {64: (128, 128, 128), 96: (128, 64, 128), 128: (128, 64, 128), 192: (64, 64, 128), 256: (64, 64, 128)}
+# (block_m, block_n, num_threads) per head dim: 4 warps.  Measured on an H100 (benchmarks/RESULTS.md):
+# hd64 128x64 beats 128x128 (which spills) by ~19%; 8-warp variants were slower for hd128/256.
+TILES = {64: (128, 64, 128), 96: (128, 64, 128), 128: (128, 64, 128), 192: (64, 64, 128), 256: (64, 64, 128)}
 
 # Codes shared with ffi/ (see ffi/jps_fwd.cc): dtype codes and arch codes.
 DTYPE_CODE = {"bf16": 0, "fp16": 1}

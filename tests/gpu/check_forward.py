@@ -56,10 +56,11 @@ def poison(x, pad, kind, rng):
     return x
 
 
-def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons):
+def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons,
+             scale=None):
     jdt, ldt = DT[dtype]
     N, H = q.shape[1], q.shape[2]
-    scale = 1.0 / np.sqrt(H)
+    scale = 1.0 / np.sqrt(H) if scale is None else scale
     # inputs exactly representable in the low-precision dtype
     q, k, v = (x.astype(ldt).astype(np.float64) for x in (q, k, v))
     padq, padk = pad_rows(cu_q, uq, q.shape[0]), pad_rows(cu_k, uk, k.shape[0])
@@ -117,6 +118,8 @@ FEATURES = {
     "window_tl": dict(causal=False, bottom_right=False, left=37, right=9, softcap=0.0),
     "window_causal_br": dict(causal=True, bottom_right=True, left=100, right=None, softcap=0.0),
     "softcap_causal": dict(causal=True, bottom_right=False, left=None, right=None, softcap=30.0),
+    "neg_scale_causal": dict(causal=True, bottom_right=False, left=None, right=None, softcap=0.0, scale=-0.07),
+    "zero_scale_window": dict(causal=False, bottom_right=True, left=5, right=5, softcap=0.0, scale=0.0),
 }
 
 
