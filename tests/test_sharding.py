@@ -9,6 +9,8 @@
   collective-permutes in the HLO; contiguous and zigzag layouts, MHA and GQA, causal in both
   alignments, window, softcap, lengths and segment ids.
 
+Sharded results are compared with single-device results within float rounding (XLA fuses the
+per-shard programs differently, so they are not bitwise equal); poison invariance *is* bitwise.
 Every case compiles once and reuses the executable for all poisons (small shapes: the file runs in
 about a minute on two CPU cores).
 """
@@ -106,6 +108,9 @@ def test_batch_head_sharded_padded(case):
             for a, s in zip(args, (x, x, x, None, x, lse))]
   compiled = jax.jit(runner).lower(*placed).compile()
   assert collectives(compiled.as_text()) == [], "batch/head-sharded attention must not communicate"
+  forward_only = jax.jit(lambda q, k, v: jax_padsafe.dot_product_attention(
+      q, k, v, return_lse=True, **helpers.api_kwargs(p, "xla"))).lower(*placed[:3]).compile()
+  assert collectives(forward_only.as_text()) == []
 
   def run(poison):
     inp = poisoned_inputs(p, dtype, poison, rng, d_out, d_lse)
@@ -328,9 +333,15 @@ def test_ring_attention(name):
 
   if name == "gqa_causal_zigzag":
     # Skipping fully masked chunk pairs changes nothing but rounding (XLA fuses the two programs
-    # differently); the exact zeros and -inf entries are identical.
-    no_skip, _ = compile_for(lambda *a: run(*a, skip=False), mesh, layout_inputs("zero"), specs)
-    assert_matches_single_device(results("zero", no_skip), base, dtype, names)
+    # differently); exact zeros and -inf entries are identical. Forward only, to save compile time.
+    def fwd(q, k, v, skip):
+      return sharding.ring_attention(q, k, v, mesh=mesh, axis_name=axis, layout=layout,
+                                     return_lse=True, block_k=8, skip_masked_blocks=skip, **kw)
+    args = [place(a, mesh, sp) for a, sp in zip(layout_inputs("zero")[:3], specs)]
+    with_skip = jax.jit(lambda *a: fwd(*a, True))(*args)
+    without = jax.jit(lambda *a: fwd(*a, False))(*args)
+    assert_matches_single_device(dict(out=without[0], lse=without[1]),
+                                 dict(out=with_skip[0], lse=with_skip[1]), dtype, ["out", "lse"])
 
 
 def test_zigzag_roundtrip_and_balance():
