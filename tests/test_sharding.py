@@ -239,6 +239,24 @@ def test_partitioned_forward(layout, heads):
       compile_for(lambda *a: strict(*a, **_STATIC), mesh, args, specs)
 
 
+def test_partitioned_forward_explicit_mesh():
+  """The mechanism on a mesh with Explicit axes (jax.make_mesh's default from jax 0.10)."""
+  rng = np.random.default_rng(3)
+  mesh = make_mesh((2, 2), ("data", "model"), explicit=True)
+  fn = _partitioning.partition_packed_forward(standin_flash_forward)
+  cu = jnp.array([0, 16, 40, 64], jnp.int32)
+  used = jnp.array([16, 20, 3], jnp.int32)
+  args = (rng.standard_normal((64, 8, 8)), rng.standard_normal((64, 2, 8)),
+          rng.standard_normal((64, 2, 8)))
+  args = tuple(jnp.asarray(a, jnp.float32) for a in args) + (cu, cu, used, used)
+  specs = (P(None, "model"), P(None, "model"), P(None, "model"), P(), P(), P(), P())
+  compiled, hlo = compile_for(lambda *a: fn(*a, **_STATIC), mesh, args, specs)
+  assert collectives(hlo) == []
+  got = compiled(*[place(a, mesh, s) for a, s in zip(args, specs)])
+  for a, e in zip(got, standin_flash_forward(*args, **_STATIC)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6, atol=1e-6)
+
+
 # --------------------------------------------------------------------------------------------------
 # Ring attention
 # --------------------------------------------------------------------------------------------------
