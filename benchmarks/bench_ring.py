@@ -23,9 +23,12 @@ overlap with compute only where XLA's latency-hiding scheduler moves the async
 collective-permutes (default on GPUs; ``XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true``
 forces it).
 
-GPU (the lead runs this on 2 H200s)::
+GPU (the lead runs this on 2 H200s; the pure-JAX path at 32k tokens takes a while, so split the
+run to stay inside a 10-minute command limit; results are written after every row)::
 
-    PYTHONPATH=. python benchmarks/bench_ring.py --out $OUT/bench_ring.json
+    PYTHONPATH=. python benchmarks/bench_ring.py --causal true  --out $OUT/bench_ring_causal.json
+    PYTHONPATH=. python benchmarks/bench_ring.py --causal false --out $OUT/bench_ring_full.json
+    # shorter: --seq 16384, or --modes fwd; GQA: --kv-heads 4
 
 CPU smoke test (4 fake devices, tiny sizes, seconds)::
 
@@ -165,6 +168,7 @@ def main(argv=None):
           row[f"ring_{layout}_error"] = repr(e)[:300]
       rows.append(row)
       print(json.dumps(row), flush=True)
+      _dump(rows, a.out)  # after every row: a run cut short by a time limit keeps what it measured
 
   print(f"\n{'causal':>6} {'mode':>8} | {'1 dev TF/s':>10} | {'layout':>10} {'ring TF/s':>9} "
         f"{'per dev':>8} {'eff.':>6}")
@@ -176,12 +180,18 @@ def main(argv=None):
               f"{r.get(f'ring_{layout}_tflops_per_device', float('nan')):>8.3f} "
               f"{r.get(f'ring_{layout}_efficiency', float('nan')):>6.2f}")
   if a.out:
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-      json.dump(rows, f, indent=1)
+    _dump(rows, a.out)
     print(f"wrote {a.out}")
   errors = [k for r in rows for k in r if k.endswith("_error")]
   return 1 if (a.smoke and errors) else 0
+
+
+def _dump(rows, path):
+  if not path:
+    return
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
