@@ -195,7 +195,7 @@ def varlen_attention(
   k_seg, k_pos = _packed_rows(cu_k, used_k, total_k, jnp.zeros_like(used_k))
 
   spec = _make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
-                    bottom_right=causal_alignment == "bottom_right",
+                    bottom_right=causal_alignment == "bottom_right", packed=True,
                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                     deterministic=bool(deterministic))
   kernel_args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)

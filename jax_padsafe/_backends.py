@@ -11,6 +11,8 @@ The backward is the pure-JAX blockwise backward for both until the backward kern
 
 from __future__ import annotations
 
+import functools
+
 from jax import lax
 
 from jax_padsafe import _xla
@@ -59,23 +61,37 @@ def choose_backend(implementation, spec: AttentionSpec, query, key, *, bias, mas
   return _xla.XLA
 
 
+@functools.lru_cache(maxsize=None)
+def _partitioned_kernel(packed: bool):
+  """The kernel forward wrapped so that batch/head-sharded calls run shard-local (no all-gather)."""
+  from jax_padsafe import _partitioning  # pylint: disable=g-import-not-at-top
+  from jax_padsafe._cute import ops  # pylint: disable=g-import-not-at-top
+  if packed:
+    return _partitioning.partition_packed_forward(ops.flash_forward)
+  return _partitioning.partition_padded_forward(_partitioning.packed_to_padded(ops.flash_forward))
+
+
+def _kernel_static_args(spec: AttentionSpec):
+  return dict(
+      max_seqlen_q=int(spec.max_seqlen_q), max_seqlen_k=int(spec.max_seqlen_k),
+      scale=float(spec.scale), causal=spec.causal, bottom_right=spec.bottom_right,
+      window_left=-1 if spec.window_left is None else spec.window_left,
+      window_right=-1 if spec.window_right is None else spec.window_right,
+      softcap=0.0 if spec.softcap is None else float(spec.softcap))
+
+
 def cute_forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
   """Forward on the GPU kernel for CUDA, the pure-JAX forward elsewhere (same results contract)."""
-  from jax_padsafe._cute import ops  # pylint: disable=g-import-not-at-top
-  b, t, n, h = q.shape
-  s, nk = k.shape[1], k.shape[2]
 
   def on_cuda(q, k, v):
-    o, lse = ops.flash_forward(
-        q.reshape(b * t, n, h), k.reshape(b * s, nk, h), v.reshape(b * s, nk, v.shape[-1]),
-        kernel_args["cu_seqlens_q"], kernel_args["cu_seqlens_k"],
-        kernel_args["seqused_q"], kernel_args["seqused_k"],
-        max_seqlen_q=int(spec.max_seqlen_q), max_seqlen_k=int(spec.max_seqlen_k),
-        scale=float(spec.scale), causal=spec.causal, bottom_right=spec.bottom_right,
-        window_left=-1 if spec.window_left is None else spec.window_left,
-        window_right=-1 if spec.window_right is None else spec.window_right,
-        softcap=0.0 if spec.softcap is None else float(spec.softcap))
-    return o.reshape(b, t, n, v.shape[-1]), lse.reshape(n, b, t).transpose(1, 0, 2)
+    static = _kernel_static_args(spec)
+    if spec.packed:  # canonical batch of one holding the packed rows
+      o, lse = _partitioned_kernel(True)(
+          q[0], k[0], v[0], kernel_args["cu_seqlens_q"], kernel_args["cu_seqlens_k"],
+          kernel_args["seqused_q"], kernel_args["seqused_k"], **static)
+      return o[None], lse[None]
+    return _partitioned_kernel(False)(q, k, v, kernel_args["seqused_q"], kernel_args["seqused_k"],
+                                      **static)
 
   def elsewhere(q, k, v):
     return _xla.forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos)

@@ -36,6 +36,7 @@ class AttentionSpec:
   bottom_right: bool = False
   # Bitwise-reproducible gradients (the pure-JAX path always is; kernels may use atomics otherwise).
   deterministic: bool = False
+  packed: bool = False  # packed (varlen) layout: canonical B == 1 holding every sequence
   max_seqlen_q: int | None = None
   max_seqlen_k: int | None = None
 
