@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -35,10 +36,18 @@ _lock = threading.Lock()
 
 
 def library_path() -> Path:
+    """JAX_PADSAFE_CUTE_LIB, else lib/ beside this file, else lib/ in any other folder of this package
+    (an editable install keeps the sources here and the built library in site-packages)."""
     env = os.environ.get("JAX_PADSAFE_CUTE_LIB")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent / "lib" / LIBRARY_NAME
+    here = Path(__file__).resolve().parent / "lib" / LIBRARY_NAME
+    pkg = sys.modules.get(__package__) if __package__ else None
+    for folder in [here.parent.parent] + [Path(p) for p in getattr(pkg, "__path__", [])]:
+        cand = folder / "lib" / LIBRARY_NAME
+        if cand.is_file():
+            return cand
+    return here
 
 
 @functools.lru_cache(maxsize=None)
