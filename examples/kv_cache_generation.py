@@ -116,7 +116,7 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="few training steps (CI)")
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--max-length", type=int, default=48)
-  parser.add_argument("--dim", type=int, default=128)
+  parser.add_argument("--dim", type=int, default=256)  # head_dim 64
   parser.add_argument("--vocab", type=int, default=32)
   parser.add_argument("--dtype", default=None,
                       help="activation dtype (default: bfloat16 on GPU, float32 elsewhere)")

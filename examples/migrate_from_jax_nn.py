@@ -56,8 +56,9 @@ def main(argv=None):
   # 1. Valid rows agree.
   ref, ours = jax_nn(q, k, v), padsafe(q, k, v)
   diff = float(jnp.max(jnp.where(valid, jnp.abs(ref - ours), 0)))
-  print(f"1. valid rows: max |jax.nn - jax_padsafe| = {diff:.2e}")
-  ok &= diff < 1e-5
+  tol = 1e-5 if jax.default_backend() == "cpu" else 5e-3  # GPUs: float32 matmuls run as TF32
+  print(f"1. valid rows: max |jax.nn - jax_padsafe| = {diff:.2e} (float rounding; tolerance {tol:g})")
+  ok &= diff < tol
 
   # 2. Padded query rows.
   pad_ref = float(jnp.max(jnp.where(valid, 0, jnp.abs(ref))))
@@ -86,23 +87,23 @@ def main(argv=None):
       ok &= nan_out == 0 and nan_grad == 0 and same
 
   # 4. A valid query row with no visible key.
-  empty = jax.nn.dot_product_attention(q, k, v, query_seq_lengths=jnp.array([12, 7, 4]),
-                                       key_value_seq_lengths=jnp.array([12, 7, 0]))
+  empty = jax.jit(jax.nn.dot_product_attention)(q, k, v, query_seq_lengths=jnp.array([12, 7, 4]),
+                                                key_value_seq_lengths=jnp.array([12, 7, 0]))
   print(f"4. sequence 2 has 4 queries and 0 keys: jax.nn out max |.| = "
         f"{float(jnp.abs(empty[2, :4]).max()):.3g} (not documented)")
-  out, lse = jax_padsafe.dot_product_attention(
-      q, k, v, query_seq_lengths=jnp.array([12, 7, 4]), key_value_seq_lengths=jnp.array([12, 7, 0]),
-      return_lse=True)
+  out, lse = jax.jit(functools.partial(jax_padsafe.dot_product_attention, return_lse=True))(
+      q, k, v, query_seq_lengths=jnp.array([12, 7, 4]), key_value_seq_lengths=jnp.array([12, 7, 0]))
   print(f"   jax_padsafe out max |.| = {float(jnp.abs(out[2]).max())}, "
         f"lse = {np.asarray(lse[2, 0, :4]).tolist()} (guaranteed)")
   ok &= float(jnp.abs(out[2]).max()) == 0.0
 
   # 5. Extras jax.nn does not have.
-  out, lse = jax_padsafe.dot_product_attention(
-      q[:, -1:], k, v, is_causal=True, causal_alignment="bottom_right", softcap=30.0,
-      query_seq_lengths=jnp.array([1, 1, 1]), key_value_seq_lengths=kv_len, return_lse=True)
-  dlse = jax.grad(lambda q: jax_padsafe.dot_product_attention(
-      q, k, v, return_lse=True, key_value_seq_lengths=kv_len)[1].sum())(q)
+  decode = functools.partial(jax_padsafe.dot_product_attention, is_causal=True,
+                             causal_alignment="bottom_right", softcap=30.0, return_lse=True)
+  out, lse = jax.jit(decode)(q[:, -1:], k, v, query_seq_lengths=jnp.array([1, 1, 1]),
+                             key_value_seq_lengths=kv_len)
+  dlse = jax.jit(jax.grad(lambda q: jax_padsafe.dot_product_attention(
+      q, k, v, return_lse=True, key_value_seq_lengths=kv_len)[1].sum()))(q)
   print(f"5. decode-style call (one query per sequence, bottom-right causal, softcap): out "
         f"{out.shape}, lse {lse.shape}; d(lse)/dq finite: {bool(jnp.isfinite(dlse).all())}")
   print("migration checks passed" if ok else "migration checks FAILED")

@@ -19,6 +19,7 @@ from the same segment ids, the same parameters) is evaluated once: its loss is N
 Run:  python examples/train_decoder.py                 (300 steps; GPU: bf16, the kernels)
       python examples/train_decoder.py --quick         (CI: a few steps on the CPU)
       python examples/train_decoder.py --plot loss.png (save the loss curve; needs matplotlib)
+      python examples/train_decoder.py --layout padded (one sequence per row, lengths)
 Needs flax and optax: pip install "jax_padsafe[flax,examples]".
 """
 
@@ -35,20 +36,24 @@ import numpy as np
 import optax
 from flax import nnx
 
+import jax_padsafe
 from jax_padsafe import flax_nnx
 
 
 # ----------------------------------------------------------------------------------------- data --
 
-def make_batch(rng, batch, length, vocab, min_len=6, max_len=20, pad_frac=(0.1, 0.3)):
-  """Packed rows of arithmetic progressions; the tail of each row is padding (segment -1)."""
+def make_batch(rng, batch, length, vocab, min_len=6, max_len=20, pad_frac=(0.1, 0.3), packed=True):
+  """Rows of arithmetic progressions; the tail of each row is padding (segment -1).
+
+  ``packed``: several sequences per row (segment ids 0, 1, ...); else one sequence per row.
+  """
   tokens = np.zeros((batch, length), np.int32)
   seg = np.full((batch, length), -1, np.int32)
   for b in range(batch):
     budget = length - int(length * rng.uniform(*pad_frac))
     pos, sid = 0, 0
-    while pos + min_len <= budget:
-      n = int(min(rng.integers(min_len, max_len + 1), budget - pos))
+    while pos + min_len <= budget and (packed or sid == 0):
+      n = int(min(rng.integers(min_len, max_len + 1), budget - pos)) if packed else budget
       a, d = rng.integers(0, vocab), rng.integers(1, 8)
       tokens[b, pos:pos + n] = (a + d * np.arange(n)) % vocab
       seg[b, pos:pos + n] = sid
@@ -85,13 +90,15 @@ class Block(nnx.Module):
     self.up = nnx.Linear(dim, 4 * dim, dtype=dtype, rngs=rngs)
     self.down = nnx.Linear(4 * dim, dim, dtype=dtype, rngs=rngs)
 
-  def __call__(self, h, seg, poison):
+  def __call__(self, h, seg, poison, packed):
     valid = seg >= 0
     if poison is not None:  # padded memory holds garbage
       h = jnp.where(valid[..., None], h, jnp.asarray(poison, h.dtype))
     x = rms_norm(h)
-    if self.padsafe:
-      h = h + self.attn(x, query_segment_ids=seg)
+    if self.padsafe and packed:
+      h = h + self.attn(x, query_segment_ids=seg)      # packed rows: segment ids
+    elif self.padsafe:
+      h = h + self.attn(x, query_seq_lengths=valid.sum(-1))   # one sequence per row: lengths
     else:
       mask = (seg[:, None, :, None] == seg[:, None, None, :]) & valid[:, None, None, :]
       mask &= jnp.tril(jnp.ones((seg.shape[1],) * 2, bool))
@@ -109,20 +116,36 @@ class Decoder(nnx.Module):
     self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks  # flax >= 0.12 wants nnx.List
     self.head = nnx.Linear(dim, vocab, dtype=dtype, rngs=rngs)
 
-  def __call__(self, tokens, seg, poison=None):
+  def __call__(self, tokens, seg, poison=None, packed=True):
     positions = jnp.where(seg >= 0, flax_nnx.positions_from_segments(seg), 0)
     h = self.embed(tokens) + self.pos(positions)
     for block in self.blocks:
-      h = block(h, seg, poison)
+      h = block(h, seg, poison, packed)
     return self.head(rms_norm(select_valid(h, seg >= 0))).astype(jnp.float32)
 
 
-def loss_fn(model, tokens, seg, targets, poison):
-  logits = model(tokens, seg, poison)
+def loss_fn(model, tokens, seg, targets, poison, packed=True):
+  logits = model(tokens, seg, poison, packed)
   has_target = targets >= 0
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(targets, 0))
   ce = jnp.where(has_target, ce, 0.0)  # a select: NaN logits in padded rows cannot leak
   return ce.sum() / jnp.maximum(has_target.sum(), 1)
+
+
+def attention_path(dtype, head_dim, heads, kv_heads, packed):
+  """Where the attention forward runs: ask the kernels (implementation="cute"), which say why not."""
+  if jax.default_backend() != "gpu":
+    return f"pure-JAX path ({jax.default_backend()})"
+  q = jnp.zeros((1, 8, heads, head_dim), dtype)
+  k = jnp.zeros((1, 8, kv_heads, head_dim), dtype)
+  extra = (dict(query_segment_ids=jnp.zeros((1, 8), jnp.int32),
+                key_value_segment_ids=jnp.zeros((1, 8), jnp.int32)) if packed
+           else dict(query_seq_lengths=jnp.array([8]), key_value_seq_lengths=jnp.array([8])))
+  try:
+    jax_padsafe.dot_product_attention(q, k, k, is_causal=True, implementation="cute", **extra)
+  except NotImplementedError as e:
+    return f"pure-JAX path ({str(e).split(': ', 1)[-1].split('. Use')[0]})"
+  return "GPU kernels (forward), pure-JAX backward"
 
 
 # ----------------------------------------------------------------------------------------- main --
@@ -133,7 +156,7 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="a few steps of a tiny model (CI)")
   parser.add_argument("--batch", type=int, default=16)
   parser.add_argument("--length", type=int, default=128)
-  parser.add_argument("--dim", type=int, default=128)
+  parser.add_argument("--dim", type=int, default=256)
   parser.add_argument("--depth", type=int, default=2)
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--kv-heads", type=int, default=2)
@@ -145,8 +168,12 @@ def main(argv=None):
                       help="value written into the padding of every block's input (default NaN)")
   parser.add_argument("--log-every", type=int, default=None)
   parser.add_argument("--plot", default=None, help="save the loss curve to this PNG")
+  parser.add_argument("--layout", choices=("packed", "padded"), default="packed",
+                      help="packed: several sequences per row (segment ids); padded: one sequence "
+                      "per row (lengths: the GPU kernels' fast path)")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
+  packed = args.layout == "packed"
   if args.quick:
     args.steps = min(args.steps, 25)
     args.batch, args.length, args.dim, args.heads, args.kv_heads = 8, 64, 64, 4, 2
@@ -171,17 +198,18 @@ def main(argv=None):
   @jax.jit
   def train_step(params, opt_state, tokens, seg, targets):
     def loss_of(params):
-      return loss_fn(nnx.merge(graphdef, params, rest), tokens, seg, targets, args.poison)
+      return loss_fn(nnx.merge(graphdef, params, rest), tokens, seg, targets, args.poison, packed)
     loss, grads = jax.value_and_grad(loss_of)(params)
     grad_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, grad_finite
 
   rng = np.random.default_rng(args.seed)
-  tokens, seg, targets = make_batch(rng, args.batch, args.length, args.vocab)
+  tokens, seg, targets = make_batch(rng, args.batch, args.length, args.vocab, packed=packed)
   pad = float(np.mean(np.asarray(seg) < 0))
   nseq = int(sum(len(set(r[r >= 0].tolist())) for r in np.asarray(seg)))
-  print(f"batch: {args.batch} rows x {args.length} tokens, {nseq} packed sequences, "
+  print(f"attention: {attention_path(dtype, args.dim // args.heads, args.heads, args.kv_heads, packed)}")
+  print(f"batch: {args.batch} rows x {args.length} tokens, {nseq} sequences ({args.layout}), "
         f"{100 * pad:.0f}% padding, padding of every block input = {args.poison}")
 
   # The comparison: Flax's attention layer with a mask, same parameters, same NaN padding.
@@ -196,7 +224,7 @@ def main(argv=None):
   losses, t0, last = [], time.perf_counter(), time.perf_counter()
   all_finite = True
   for step in range(1, args.steps + 1):
-    tokens, seg, targets = make_batch(rng, args.batch, args.length, args.vocab)
+    tokens, seg, targets = make_batch(rng, args.batch, args.length, args.vocab, packed=packed)
     params, opt_state, loss, grad_finite = train_step(params, opt_state, tokens, seg, targets)
     loss = float(loss)
     all_finite &= bool(grad_finite) and math.isfinite(loss)
@@ -223,7 +251,7 @@ def main(argv=None):
       ax.plot(np.arange(1, len(losses) + 1), losses)
       ax.set_xlabel("step")
       ax.set_ylabel("loss (valid tokens)")
-      ax.set_title(f"packed + padded batches, padding = {args.poison}")
+      ax.set_title(f"{args.layout} batches with padding, padding = {args.poison}")
       ax.grid(alpha=0.3)
       fig.tight_layout()
       fig.savefig(args.plot, dpi=120)

@@ -17,6 +17,13 @@ LENS = np.array([8, 5], np.int32)
 TOL = dict(atol=2e-5, rtol=2e-5)
 
 
+@pytest.fixture(autouse=True)
+def _full_float32_matmuls():
+  # GPUs run float32 matmuls as TF32 by default; compare with Flax/Equinox at full precision.
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def _inputs(seed=0, b=B, t=T, f=F):
   return jax.random.normal(jax.random.key(seed), (b, t, f), jnp.float32)
 
