@@ -135,7 +135,11 @@ def _check(cond, exc, msg):
 def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, max_seqlen_q: int,
                   max_seqlen_k: int, scale: float, causal: bool, bottom_right: bool, window_left: int,
                   window_right: int, softcap: float):
-    """Pad-safe flash-attention forward on the packed layout; see the module docstring."""
+    """Pad-safe flash-attention forward on the packed layout; see the module docstring.
+
+    `max_seqlen_q` must be >= every segment length cu_seqlens_q[b+1] - cu_seqlens_q[b]: the grid covers
+    ceil(max_seqlen_q / block_m) query tiles per sequence, and query rows beyond it are left at 0.
+    `max_seqlen_k` is validated but not needed by the kernel (its K loop bounds come from the lengths)."""
     _check(q.ndim == 3 and k.ndim == 3 and v.ndim == 3, ValueError,
            f"q, k, v must be [total, heads, head_dim], got ranks {q.ndim}, {k.ndim}, {v.ndim}")
     total_q, n, h = q.shape
