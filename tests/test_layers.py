@@ -94,6 +94,24 @@ def test_linen_attention_fn_extra_batch_dims(linen):
                              nn.dot_product_attention(q, k, v, mask=mask), **TOL)
 
 
+def test_linen_attention_fn_in_flax_decode_mode(linen):
+  # linen's own KV cache (decode=True) passes a float cache mask: runs on the pure-JAX path.
+  nn, pl = linen
+  x = _inputs(t=4)
+  outs = {}
+  for name, fn in (("flax", nn.dot_product_attention), ("padsafe", pl.attention_fn)):
+    layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True, attention_fn=fn)
+    variables = layer.init(jax.random.key(1), x)
+    step = jax.jit(lambda v, tok, layer=layer: layer.apply(v, tok, mutable=["cache"]))
+    cache, out = variables["cache"], []
+    for i in range(x.shape[1]):
+      o, mutated = step({"params": variables["params"], "cache": cache}, x[:, i:i + 1])
+      cache = mutated["cache"]
+      out.append(o)
+    outs[name] = jnp.concatenate(out, 1)
+  np.testing.assert_allclose(outs["padsafe"], outs["flax"], **TOL)
+
+
 def test_linen_module_same_params_as_flax(linen):
   nn, pl = linen
   x = _inputs()
