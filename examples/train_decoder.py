@@ -251,7 +251,7 @@ def main(argv=None):
       ax.plot(np.arange(1, len(losses) + 1), losses)
       ax.set_xlabel("step")
       ax.set_ylabel("loss (valid tokens)")
-      ax.set_title(f"{args.layout} batches with padding, padding = {args.poison}")
+      ax.set_title(f"{args.layout} layout, padding filled with {args.poison}")
       ax.grid(alpha=0.3)
       fig.tight_layout()
       fig.savefig(args.plot, dpi=120)
