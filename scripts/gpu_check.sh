@@ -14,6 +14,7 @@ case "$cmd" in
   build)
     set -e
     python3 -m jax_padsafe.kernels.build --out build/kernels
+    python3 -m jax_padsafe.kernels.bwd_build --out build/kernels
     cmake -S ffi -B build/ffi -DJPS_KERNEL_DIR="$PWD/build/kernels" -DCMAKE_BUILD_TYPE=Release >/dev/null
     cmake --build build/ffi -j"${JPS_JOBS:-2}"
     lib=jax_padsafe/_cute/lib/libjax_padsafe_kernels.so
@@ -28,6 +29,7 @@ case "$cmd" in
     nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader | tee "$out/device.txt"
     python3 -m pytest -q tests/test_cute_lowering.py 2>&1 | tail -3 | tee "$out/lowering.log" || rc=1
     python3 tests/gpu/check_forward.py $quick --json "$out/check_forward.json" 2>&1 | tee "$out/check_forward.log" || rc=1
+    python3 tests/gpu/check_backward.py $quick --json "$out/check_backward.json" 2>&1 | tee "$out/check_backward.log" || rc=1
     # The same kernels inside CUDA graphs (XLA command buffers with custom calls).
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
       python3 tests/gpu/check_forward.py --quick 2>&1 | tail -4 | tee "$out/check_cmdbuf.log" || rc=1
@@ -35,6 +37,8 @@ case "$cmd" in
     python3 -m pytest -q tests --ignore=tests/gpu -k cute -rs 2>&1 | tail -40 | tee "$out/tests_cute.log" || rc=1
     [ -n "${JPS_SKIP_BENCH:-}" ] || python3 benchmarks/bench_forward.py $quick --out "$out/bench_forward.json" 2>&1 \
       | tee "$out/bench_forward.log" | tail -40
+    [ -n "${JPS_SKIP_BENCH:-}" ] || python3 benchmarks/bench_backward.py --out "$out/bench_backward.json" 2>&1 \
+      | tee "$out/bench_backward.log" | tail -20
     exit $rc
     ;;
   *) sed -n 2,9p "$0"; exit 2 ;;

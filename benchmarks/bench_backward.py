@@ -1,0 +1,124 @@
+"""Forward+backward TFLOP/s of the CuTe kernels (ops.flash_forward + bwd_ops.flash_backward) vs
+jax.nn.dot_product_attention (implementation="cudnn" and "xla") in one run.  bf16, 16k tokens per batch.
+
+    PYTHONPATH=. python benchmarks/bench_backward.py [--out results.json] [--dims 128] [--seqs 2048,4096,8192]
+
+Each timed call computes o = attention(q, k, v) and (dq, dk, dv) = vjp(do) under one jit.  FLOPs counted
+as in ../shared anchors: forward 4 * N * H * (visible pairs), forward+backward 3.5x that (backward = 2.5x
+forward).  Timing: 2 warm-up calls, median of 5 rounds of `iters` back-to-back calls.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from jax_padsafe._cute import bwd_ops, ops
+
+
+def bench(fn, *args, iters=10):
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(iters):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        ts.append((time.perf_counter() - t) / iters)
+    return float(np.median(ts))
+
+
+def cute_fwd_bwd(B, S, causal, scale, deterministic=False):
+    def f(q, k, v, do):
+        _, _, N, H = q.shape
+        KH = k.shape[2]
+        cu = jnp.arange(B + 1, dtype=jnp.int32) * S
+        used = jnp.full((B,), S, jnp.int32)
+        kw = dict(max_seqlen_q=S, max_seqlen_k=S, scale=scale, causal=causal, bottom_right=False, window_left=-1,
+                  window_right=-1, softcap=0.0)
+        qp, kp, vp = q.reshape(B * S, N, H), k.reshape(B * S, KH, H), v.reshape(B * S, KH, H)
+        o, lse = ops.flash_forward(qp, kp, vp, cu, cu, used, used, **kw)
+        dq, dk, dv = bwd_ops.flash_backward(qp, kp, vp, o, lse, do.reshape(B * S, N, H), jnp.zeros_like(lse),
+                                            cu, cu, used, used, deterministic=deterministic, **kw)
+        return o, dq, dk, dv
+    return jax.jit(f)
+
+
+def cute_fwd_only(B, S, causal, scale):
+    def f(q, k, v, do):
+        _, _, N, H = q.shape
+        cu = jnp.arange(B + 1, dtype=jnp.int32) * S
+        used = jnp.full((B,), S, jnp.int32)
+        o, _ = ops.flash_forward(q.reshape(B * S, N, H), k.reshape(B * S, N, H), v.reshape(B * S, N, H), cu, cu,
+                                 used, used, max_seqlen_q=S, max_seqlen_k=S, scale=scale, causal=causal,
+                                 bottom_right=False, window_left=-1, window_right=-1, softcap=0.0)
+        return o
+    return jax.jit(f)
+
+
+def jnn_fwd_bwd(impl, causal):
+    def f(q, k, v, do):
+        o, vjp = jax.vjp(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal, implementation=impl),
+                         q, k, v)
+        return (o, *vjp(do))
+    return jax.jit(f)
+
+
+def jnn_fwd_only(impl, causal):
+    return jax.jit(lambda q, k, v, do: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_backward.json"))
+    ap.add_argument("--impls", default="cute,cudnn,xla")
+    ap.add_argument("--dims", default="128")
+    ap.add_argument("--seqs", default="2048,4096,8192")
+    a = ap.parse_args()
+    dev = jax.devices()[0].device_kind
+    rows = []
+    for D in (int(x) for x in a.dims.split(",")):
+        for S in (int(x) for x in a.seqs.split(",")):
+            for causal in (False, True):
+                N = 2048 // D
+                B = max(1, 16384 // S)
+                ks = [jax.random.fold_in(jax.random.PRNGKey(0), i) for i in range(4)]
+                q, k, v, do = (jax.random.normal(kk, (B, S, N, D), jnp.bfloat16) for kk in ks)
+                pairs = B * (S * (S + 1) // 2 if causal else S * S)
+                fl = 4 * N * D * pairs
+                row = dict(head_dim=D, heads=N, seqlen=S, batch=B, causal=causal)
+                for impl in a.impls.split(","):
+                    if impl == "xla" and S > 8192:
+                        continue
+                    try:
+                        if impl == "cute":
+                            tf = bench(cute_fwd_only(B, S, causal, D ** -0.5), q, k, v, do)
+                            tb = bench(cute_fwd_bwd(B, S, causal, D ** -0.5), q, k, v, do)
+                        else:
+                            tf = bench(jnn_fwd_only(impl, causal), q, k, v, do)
+                            tb = bench(jnn_fwd_bwd(impl, causal), q, k, v, do)
+                        row[impl + "_fwd"] = round(fl / tf / 1e12, 1)
+                        row[impl + "_fwdbwd"] = round(3.5 * fl / tb / 1e12, 1)
+                        row[impl + "_ms"] = round(tb * 1e3, 3)
+                    except Exception as e:  # noqa: BLE001 - record and continue
+                        row[impl + "_error"] = repr(e)[:300]
+                rows.append(row)
+                print(row, flush=True)
+    print(f"\nforward / forward+backward TFLOP/s on {dev} (bf16; fwd+bwd counted as 3.5x forward FLOPs)")
+    print(f"{'hd':>4} {'S':>6} {'causal':>6} | {'cute':>13} {'cudnn':>13} {'xla':>13} | fwd+bwd cute/cudnn")
+    for r in rows:
+        f = lambda i: (f"{r[i + '_fwd']:5.0f}/{r[i + '_fwdbwd']:5.0f}  " if r.get(i + "_fwdbwd") else "          n/a")
+        ratio = r["cute_fwdbwd"] / r["cudnn_fwdbwd"] if r.get("cute_fwdbwd") and r.get("cudnn_fwdbwd") else float("nan")
+        print(f"{r['head_dim']:>4} {r['seqlen']:>6} {str(r['causal']):>6} | {f('cute')} {f('cudnn')} {f('xla')} | {ratio:.2f}")
+    with open(a.out, "w") as fh:
+        json.dump(dict(device=dev, jax=jax.__version__, rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

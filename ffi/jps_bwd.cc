@@ -1,0 +1,201 @@
+// XLA FFI handler for the jax_padsafe CuTe DSL backward kernels (jax_padsafe/kernels/bwd_sm80.py).
+//
+// Target "jax_padsafe_bwd" (platform CUDA), FFI API of the oldest supported jaxlib (0.10.2 -> 0.3).
+//   initialize: loads the backward kernel modules for this device's architecture (once, mutex).
+//   execute:    validates shapes; zero-fills dq, dk, dv and the Delta workspace (stream-ordered memsets:
+//               padded rows are zero by construction, nothing is left to the allocator); launches
+//               preprocess (Delta), dK/dV, dQ.  No atomics, no fp32 global accumulator: deterministic.
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <mutex>
+#include <string>
+
+#include "jps_bwd_args.h"
+#include "jps_bwd_registry.h"  // generated: kJpsBwdVariants, kJpsNumBwdVariants
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+std::mutex g_bwd_mutex;
+std::array<bool, 256> g_bwd_loaded{};
+
+ffi::Error BwdArch(int *arch) {
+  int device = 0, major = 0, minor = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string("jax_padsafe_bwd: device query: ") + cudaGetErrorString(e));
+  int a = -1;
+  switch (major) {  // same mapping as the forward (jps_fwd.cc)
+    case 8: a = 80; break;
+    case 9: a = minor == 0 ? 90 : -1; break;
+    case 10: a = 100; break;
+    case 12: a = 120; break;
+    default: a = -1;
+  }
+  bool built = false;
+  for (int i = 0; i < kJpsNumBwdVariants; ++i) built |= kJpsBwdVariants[i].arch == a;
+  if (a < 0 || !built)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "jax_padsafe_bwd: no CuTe backward kernels were built for compute capability " +
+                          std::to_string(major) + "." + std::to_string(minor));
+  *arch = a;
+  return ffi::Error::Success();
+}
+
+ffi::Error BwdLoad(int arch) {
+  std::lock_guard<std::mutex> lock(g_bwd_mutex);
+  if (g_bwd_loaded[arch]) return ffi::Error::Success();
+  cudaError_t err = cudaSuccess;
+  for (int i = 0; i < kJpsNumBwdVariants; ++i) {
+    const JpsBwdVariant &v = kJpsBwdVariants[i];
+    if (v.arch != arch) continue;
+    v.load();
+  }
+  (void)err;
+  // Load errors go through jps_note_cuda_error (jps_fwd.cc); a failed load shows up as a launch error.
+  g_bwd_loaded[arch] = true;
+  return ffi::Error::Success();
+}
+
+ffi::Error BwdInitialize(ffi::RemainingArgs, ffi::RemainingRets) {
+  int arch = 0;
+  if (ffi::Error e = BwdArch(&arch); e.failure()) return e;
+  return BwdLoad(arch);
+}
+
+ffi::Error Invalid(const std::string &msg) { return ffi::Error::InvalidArgument("jax_padsafe_bwd: " + msg); }
+
+ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+                      ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> dlse,
+                      ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
+                      ffi::Buffer<ffi::S32> used_k, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                      ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta, float scale,
+                      float softcap, int32_t window_left, int32_t window_right, int32_t causal, int32_t bottom_right,
+                      int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t deterministic) {
+  (void)deterministic;  // this design is deterministic in every mode (no atomics)
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 3 || kd.size() != 3) return Invalid("expected q/k/v of rank 3");
+  const int64_t total_q = qd[0], N = qd[1], H = qd[2], total_k = kd[0], K = kd[1];
+  auto same3 = [](auto d, int64_t a, int64_t b, int64_t c) { return d.size() == 3 && d[0] == a && d[1] == b && d[2] == c; };
+  auto same2 = [](auto d, int64_t a, int64_t b) { return d.size() == 2 && d[0] == a && d[1] == b; };
+  if (!same3(k.dimensions(), total_k, K, H) || !same3(v.dimensions(), total_k, K, H)) return Invalid("k and v must be [total_k, K, H] with q's H");
+  if (!same3(o.dimensions(), total_q, N, H) || !same3(dout.dimensions(), total_q, N, H) || !same3(dq->dimensions(), total_q, N, H))
+    return Invalid("o, do and dq must have q's shape");
+  if (!same3(dk->dimensions(), total_k, K, H) || !same3(dv->dimensions(), total_k, K, H)) return Invalid("dk, dv must have k's shape");
+  if (!same2(lse.dimensions(), N, total_q) || !same2(dlse.dimensions(), N, total_q) || !same2(delta->dimensions(), N, total_q))
+    return Invalid("lse, dlse and the Delta workspace must be [N, total_q]");
+  if (K <= 0 || N % K != 0) return Invalid("num_heads must be a positive multiple of num_kv_heads");
+  auto et = q.element_type();
+  if (k.element_type() != et || v.element_type() != et || o.element_type() != et || dout.element_type() != et ||
+      dq->element_type() != et || dk->element_type() != et || dv->element_type() != et)
+    return Invalid("q, k, v, o, do, dq, dk, dv must share one dtype");
+  int dtype;
+  if (et == ffi::BF16) dtype = 0;
+  else if (et == ffi::F16) dtype = 1;
+  else return Invalid("dtype must be bfloat16 or float16");
+  const int64_t B = used_q.element_count();
+  if (cu_q.element_count() != B + 1 || cu_k.element_count() != B + 1 || used_k.element_count() != B)
+    return Invalid("cu_seqlens_q/k must have batch+1 entries and seqused_q/k batch entries");
+  if (total_q >= (int64_t(1) << 30) || total_k >= (int64_t(1) << 30) || max_seqlen_q < 0 || max_seqlen_k < 0)
+    return Invalid("lengths must be below 2**30");
+  if (N > 65535 || B > 65535) return Invalid("num_heads and batch must be at most 65535");
+  if (!(scale > 0.0f) || std::isinf(scale) || !(softcap >= 0.0f) || std::isinf(softcap))
+    return Invalid("scale must be finite and > 0, softcap finite and >= 0");
+
+  // Zero every output and the Delta workspace: padded rows stay exactly 0, nothing comes from the allocator.
+  cudaError_t err = cudaMemsetAsync(dq->untyped_data(), 0, dq->size_bytes(), stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(dk->untyped_data(), 0, dk->size_bytes(), stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(dv->untyped_data(), 0, dv->size_bytes(), stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(delta->untyped_data(), 0, delta->size_bytes(), stream);
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("jax_padsafe_bwd: memset: ") + cudaGetErrorString(err));
+  if (total_q == 0 || total_k == 0 || B == 0 || N == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) return ffi::Error::Success();
+
+  int arch = 0;
+  if (ffi::Error e = BwdArch(&arch); e.failure()) return e;
+  if (ffi::Error e = BwdLoad(arch); e.failure()) return e;
+  const int cap = softcap > 0.0f ? 1 : 0;
+  const JpsBwdVariant *var = nullptr;
+  for (int i = 0; i < kJpsNumBwdVariants; ++i) {
+    const JpsBwdVariant &c = kJpsBwdVariants[i];
+    if (c.arch == arch && c.dtype == dtype && c.head_dim == H && c.softcap == cap) var = &c;
+  }
+  if (!var)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "jax_padsafe_bwd: no backward kernel built for head_dim " + std::to_string(H) + ", dtype " +
+                          (dtype ? "float16" : "bfloat16") + ", softcap " + std::to_string(cap) + " on sm_" + std::to_string(arch));
+
+  const float log2e = 1.4426950408889634f;
+  JpsBwdArgs a{};
+  a.q = q.untyped_data(); a.k = k.untyped_data(); a.v = v.untyped_data(); a.o = o.untyped_data();
+  a.dout = dout.untyped_data(); a.lse = lse.typed_data(); a.dlse = dlse.typed_data(); a.delta = delta->typed_data();
+  a.dq = dq->untyped_data(); a.dk = dk->untyped_data(); a.dv = dv->untyped_data();
+  a.cu_q = cu_q.typed_data(); a.cu_k = cu_k.typed_data(); a.used_q = used_q.typed_data(); a.used_k = used_k.typed_data();
+  a.total_q = (int32_t)total_q; a.total_k = (int32_t)total_k; a.num_heads = (int32_t)N; a.num_kv_heads = (int32_t)K;
+  a.head_dim = (int32_t)H; a.batch = (int32_t)B;
+  a.score_mul = cap ? scale / softcap : scale * log2e;
+  a.cap_mul = cap ? softcap * log2e : 1.0f;
+  a.dscale = scale;
+  a.window_left = window_left < 0 ? -1 : window_left;
+  int32_t right = window_right < 0 ? -1 : window_right;
+  if (causal) right = 0;
+  a.window_right = right;
+  a.bottom_right = bottom_right ? 1 : 0;
+  a.max_seqlen_q = max_seqlen_q;
+  a.max_seqlen_k = max_seqlen_k;
+  int32_t rc = var->pre(var->pre_module, &a, stream);
+  if (rc == 0) rc = var->dkdv(var->dkdv_module, &a, stream);
+  if (rc == 0) rc = var->dq(var->dq_module, &a, stream);
+  if (rc != 0) return ffi::Error::Internal(std::string("jax_padsafe_bwd: launch of ") + var->name + ": " + cudaGetErrorString((cudaError_t)rc));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define JPS_EXPORT extern "C" __attribute__((visibility("default")))
+
+JPS_EXPORT XLA_FFI_Error *jps_bwd_initialize(XLA_FFI_CallFrame *call_frame);
+JPS_EXPORT XLA_FFI_Error *jps_bwd_execute(XLA_FFI_CallFrame *call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_initialize, BwdInitialize,
+                              ffi::Ffi::BindInitialize().RemainingArgs().RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_execute, BwdExecute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()             // q
+                                  .Arg<ffi::AnyBuffer>()             // k
+                                  .Arg<ffi::AnyBuffer>()             // v
+                                  .Arg<ffi::AnyBuffer>()             // o
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // lse
+                                  .Arg<ffi::AnyBuffer>()             // do
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // dlse
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()             // dq
+                                  .Ret<ffi::AnyBuffer>()             // dk
+                                  .Ret<ffi::AnyBuffer>()             // dv
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // Delta workspace
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right")
+                                  .Attr<int32_t>("causal")
+                                  .Attr<int32_t>("bottom_right")
+                                  .Attr<int32_t>("max_seqlen_q")
+                                  .Attr<int32_t>("max_seqlen_k")
+                                  .Attr<int32_t>("deterministic"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+JPS_EXPORT int jps_num_bwd_variants() { return kJpsNumBwdVariants; }
+JPS_EXPORT int jps_bwd_variant(int i, int *arch, int *dtype, int *head_dim, int *softcap) {
+  if (i < 0 || i >= kJpsNumBwdVariants) return -1;
+  const JpsBwdVariant &v = kJpsBwdVariants[i];
+  *arch = v.arch; *dtype = v.dtype; *head_dim = v.head_dim; *softcap = v.softcap;
+  return 0;
+}

@@ -1,0 +1,33 @@
+// ABI between the backward FFI handler (jps_bwd.cc) and the generated launch adapters
+// (build/kernels/jps_bwd_registry.h, written by jax_padsafe/kernels/bwd_build.py).
+#pragma once
+#include "jps_fwd_args.h"  // cuda_runtime.h, jps_note_cuda_error / CUTE_DSL_CUDA_ERROR_CHECK
+
+struct JpsBwdArgs {
+  void *q, *k, *v, *o, *dout;   // [total_q, N, H], [total_k, K, H] x2, [total_q, N, H] x2
+  float *lse, *dlse, *delta;    // [N, total_q]; delta: zero-filled workspace
+  void *dq, *dk, *dv;           // zero-filled outputs
+  int32_t *cu_q, *cu_k;         // [batch + 1]
+  int32_t *used_q, *used_k;     // [batch]
+  int32_t total_q, total_k, num_heads, num_kv_heads, head_dim, batch;
+  float score_mul;              // scale * log2(e), or scale / softcap when soft-capped
+  float cap_mul;                // softcap * log2(e) when soft-capped (unused otherwise)
+  float dscale;                 // scale: dQ = dscale * dS K, dK = dscale * dS^T Q
+  int32_t window_left, window_right;  // -1: unbounded; causal is folded into window_right
+  int32_t bottom_right;
+  int32_t max_seqlen_q, max_seqlen_k;
+};
+
+typedef int32_t (*JpsBwdLaunchFn)(void *module, const JpsBwdArgs *args, cudaStream_t stream);
+
+struct JpsBwdVariant {
+  int arch, dtype, head_dim, softcap;
+  void (*load)(void);
+  void *pre_module;
+  JpsBwdLaunchFn pre;
+  void *dkdv_module;
+  JpsBwdLaunchFn dkdv;
+  void *dq_module;
+  JpsBwdLaunchFn dq;
+  const char *name;
+};

@@ -1,0 +1,198 @@
+"""Ahead-of-time build of the backward kernels (no GPU needed); companion of `build.py`.
+
+    python -m jax_padsafe.kernels.bwd_build --out build/kernels [--archs sm_80,sm_90a] [--dtypes bf16]
+        [--head-dims 64,128] [--softcap 0,1] [--jobs 2]
+
+Same environment overrides as build.py (JPS_ARCHS, JPS_DTYPES, JPS_HEAD_DIMS, JPS_SOFTCAP, JPS_JOBS);
+head dims default to `BWD_HEAD_DIMS` (the backward's supported set).  Per variant three kernels are
+exported (`<prefix>_pre`, `<prefix>_dkdv`, `<prefix>_dq`); then `jps_bwd_registry.h` (launch adapters +
+the table `kJpsBwdVariants`) and `bwd_objects.txt` are written, which ffi/CMakeLists.txt links in
+(ffi/jps_bwd.cc) when present.
+"""
+
+import argparse
+import concurrent.futures as cf
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from . import variants as V
+
+BWD_HEAD_DIMS = (64, 96, 128)
+# (block_m, block_n, num_threads) of the dK/dV kernel and of the dQ kernel.  Each warp owns 16 rows of
+# the accumulators (dK and dV: 16 x HD each; dQ: 16 x HD), which live in registers.
+BWD_TILES = {
+    64: ((64, 64, 128), (64, 64, 128)),
+    96: ((64, 64, 128), (64, 64, 128)),
+    128: ((64, 64, 128), (64, 64, 128)),
+}
+
+
+def _apply_tile_overrides():
+    """JPS_BWD_TILES="dkdv=64x128x256,dq=128x64x256" (all head dims) for tile experiments."""
+    cfg = dict(item.split("=") for item in os.environ.get("JPS_BWD_TILES", "").split(",") if item.strip())
+    if cfg:
+        for h in BWD_TILES:
+            dkdv, dq = BWD_TILES[h]
+            dkdv = tuple(int(x) for x in cfg["dkdv"].split("x")) if "dkdv" in cfg else dkdv
+            dq = tuple(int(x) for x in cfg["dq"].split("x")) if "dq" in cfg else dq
+            BWD_TILES[h] = (dkdv, dq)
+
+
+@dataclass(frozen=True)
+class BwdVariant:
+    arch: str
+    dtype: str
+    head_dim: int
+    softcap: bool
+
+    @property
+    def prefix(self) -> str:
+        return f"jps_bwd_{self.arch}_{self.dtype}_hd{self.head_dim}_{'cap' if self.softcap else 'nocap'}"
+
+    @property
+    def tile(self):
+        return BWD_TILES[self.head_dim]
+
+
+def _compile_one(args):
+    variant, out = args
+    _apply_tile_overrides()
+    os.environ["CUTE_DSL_ARCH"] = variant.arch
+    import ctypes
+
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.runtime import find_runtime_libraries, make_fake_stream
+
+    ctypes.CDLL(find_runtime_libraries(enable_tvm_ffi=False)[0], ctypes.RTLD_GLOBAL)
+    from .bwd_sm80 import BwdDKDV, BwdDQ, BwdPreprocess
+
+    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[variant.dtype]
+    H = variant.head_dim
+    (bm, bn, nt), (bm_q, bn_q, nt_q) = variant.tile
+    sym = cute.sym_int
+    opts = f"--gpu-arch {variant.arch}"
+
+    def x3():
+        return make_fake_compact_tensor(dt, (sym(), sym(), H), stride_order=(2, 1, 0), assumed_align=16)
+
+    def f2():
+        return make_fake_compact_tensor(cutlass.Float32, (sym(), sym()), stride_order=(1, 0), assumed_align=4)
+
+    def i1():
+        return make_fake_compact_tensor(cutlass.Int32, (sym(),), assumed_align=4)
+
+    t0 = time.time()
+    p = variant.prefix
+    pre = cute.compile(BwdPreprocess(dt, H), x3(), x3(), f2(), f2(), f2(), i1(), i1(), 0, make_fake_stream(),
+                       options=opts)
+    pre.export_to_c(out, p + "_pre", function_prefix=p + "_pre")
+    dkdv = cute.compile(BwdDKDV(dt, H, bm, bn, nt, variant.softcap),
+                        x3(), x3(), x3(), x3(), f2(), f2(), x3(), x3(), i1(), i1(), i1(), i1(),
+                        1.0, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(), options=opts)
+    dkdv.export_to_c(out, p + "_dkdv", function_prefix=p + "_dkdv")
+    dq = cute.compile(BwdDQ(dt, H, bm_q, bn_q, nt_q, variant.softcap),
+                      x3(), x3(), x3(), x3(), f2(), f2(), x3(), i1(), i1(), i1(), i1(),
+                      1.0, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(), options=opts)
+    dq.export_to_c(out, p + "_dq", function_prefix=p + "_dq")
+    return variant, time.time() - t0
+
+
+# Tensor structs of each export: (parameter name, C expression of the struct initialiser).
+_Q = "{a->%s, {a->total_q, a->num_heads}, {(int64_t)a->num_heads * a->head_dim}}"
+_K = "{a->%s, {a->total_k, a->num_kv_heads}, {(int64_t)a->num_kv_heads * a->head_dim}}"
+_R = "{a->%s, {a->num_heads, a->total_q}, {(int64_t)a->total_q}}"
+_CU = "{a->%s, {a->batch + 1}}"
+_US = "{a->%s, {a->batch}}"
+_KERNELS = {
+    "pre": [("mO", _Q % "o"), ("mdO", _Q % "dout"), ("mLSE", _R % "lse"), ("mdLSE", _R % "dlse"),
+            ("mDelta", _R % "delta"), ("mCuQ", _CU % "cu_q"), ("mUsedQ", _US % "used_q")],
+    "dkdv": [("mQ", _Q % "q"), ("mK", _K % "k"), ("mV", _K % "v"), ("mdO", _Q % "dout"), ("mLSE", _R % "lse"),
+             ("mDelta", _R % "delta"), ("mdK", _K % "dk"), ("mdV", _K % "dv"), ("mCuQ", _CU % "cu_q"),
+             ("mCuK", _CU % "cu_k"), ("mUsedQ", _US % "used_q"), ("mUsedK", _US % "used_k")],
+    "dq": [("mQ", _Q % "q"), ("mK", _K % "k"), ("mV", _K % "v"), ("mdO", _Q % "dout"), ("mLSE", _R % "lse"),
+           ("mDelta", _R % "delta"), ("mdQ", _Q % "dq"), ("mCuQ", _CU % "cu_q"), ("mCuK", _CU % "cu_k"),
+           ("mUsedQ", _US % "used_q"), ("mUsedK", _US % "used_k")],
+}
+_SCALARS = {
+    "pre": "a->max_seqlen_q",
+    "dkdv": "a->score_mul, a->cap_mul, a->dscale, a->window_left, a->window_right, a->bottom_right, a->max_seqlen_k",
+    "dq": "a->score_mul, a->cap_mul, a->dscale, a->window_left, a->window_right, a->bottom_right, a->max_seqlen_q",
+}
+
+
+def _adapter(v: BwdVariant) -> str:
+    lines = []
+    for kind, tensors in _KERNELS.items():
+        p = f"{v.prefix}_{kind}"
+        lines.append(f'#include "{p}.h"')
+        lines.append(f"static int32_t {p}_launch(void *module, const JpsBwdArgs *a, cudaStream_t s) {{")
+        for name, init in tensors:
+            lines.append(f"  {p}_Tensor_{name}_t {name} = {init};")
+        refs = ", ".join("&" + n for n, _ in tensors)
+        lines.append(f"  return cute_dsl_{p}_wrapper(({p}_Kernel_Module_t *)module, {refs}, {_SCALARS[kind]}, s);")
+        lines.append("}")
+        lines.append(f"static {p}_Kernel_Module_t {p}_module;")
+    p = v.prefix
+    lines.append(f"static void {p}_load(void) {{ {p}_pre_Kernel_Module_Load(&{p}_pre_module); "
+                 f"{p}_dkdv_Kernel_Module_Load(&{p}_dkdv_module); {p}_dq_Kernel_Module_Load(&{p}_dq_module); }}")
+    return "\n".join(lines)
+
+
+def write_registry(out: str, built):
+    body = ["// Generated by jax_padsafe/kernels/bwd_build.py: do not edit.", "#pragma once", '#include "jps_bwd_args.h"']
+    body += [_adapter(v) for v in built]
+    body.append("static const JpsBwdVariant kJpsBwdVariants[] = {")
+    for v in built:
+        p = v.prefix
+        body.append(
+            f"  {{{V.ARCH_CODE[v.arch]}, {V.DTYPE_CODE[v.dtype]}, {v.head_dim}, {int(v.softcap)}, &{p}_load, "
+            f"&{p}_pre_module, &{p}_pre_launch, &{p}_dkdv_module, &{p}_dkdv_launch, &{p}_dq_module, &{p}_dq_launch, "
+            f"\"{p}\"}},"
+        )
+    if not built:
+        body.append("  {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \"none\"},")
+    body.append("};")
+    body.append(f"static const int kJpsNumBwdVariants = {len(built)};")
+    with open(os.path.join(out, "jps_bwd_registry.h"), "w") as f:
+        f.write("\n".join(body) + "\n")
+    with open(os.path.join(out, "bwd_objects.txt"), "w") as f:
+        f.write("\n".join(f"{v.prefix}_{k}.o" for v in built for k in _KERNELS) + "\n")
+
+
+def _csv(s, conv=str):
+    return tuple(conv(x) for x in s.split(",") if x.strip())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--archs", default=os.environ.get("JPS_ARCHS", ",".join(V.ARCHS)))
+    ap.add_argument("--dtypes", default=os.environ.get("JPS_DTYPES", ",".join(V.DTYPES)))
+    ap.add_argument("--head-dims", default=os.environ.get("JPS_HEAD_DIMS", ",".join(map(str, BWD_HEAD_DIMS))))
+    ap.add_argument("--softcap", default=os.environ.get("JPS_SOFTCAP", "0,1"))
+    ap.add_argument("--out", default="build/kernels")
+    ap.add_argument("--jobs", type=int, default=int(os.environ.get("JPS_JOBS", os.cpu_count() or 1)))
+    a = ap.parse_args(argv)
+    _apply_tile_overrides()
+    print(f"backward tiles (block_m, block_n, threads) dkdv / dq: {BWD_TILES}", flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    todo = [BwdVariant(ar, d, h, c) for ar in _csv(a.archs) for d in _csv(a.dtypes)
+            for h in _csv(a.head_dims, int) if h in BWD_TILES for c in _csv(a.softcap, lambda x: bool(int(x)))]
+    out = os.path.abspath(a.out)
+    built = []
+    t0 = time.time()
+    ctx = __import__("multiprocessing").get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=max(1, a.jobs), mp_context=ctx) as ex:
+        for v, dt in ex.map(_compile_one, [(v, out) for v in todo]):
+            print(f"  built {v.prefix} ({dt:.1f} s)", flush=True)
+            built.append(v)
+    write_registry(out, built)
+    print(f"{len(built)} backward variants in {time.time() - t0:.0f} s -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

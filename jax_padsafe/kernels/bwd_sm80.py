@@ -1,0 +1,502 @@
+"""SM80-class flash-attention backward (mma.sync + ldmatrix + cp.async), pad-safe and deterministic.
+
+Three kernels, launched in this order by the FFI handler (ffi/jps_bwd.cc) after it zero-fills
+dq, dk, dv and the Delta buffer (cudaMemsetAsync):
+
+1. `BwdPreprocess`: Delta[h, i] = rowsum(dO * O) - dlse for valid rows with lse != -inf, from
+   zero-filled loads; every other row keeps the memset's 0.
+2. `BwdDKDV`: one CTA per (key tile, kv head, sequence).  Loops over the query heads of its GQA group
+   and over the query tiles that can see the key tile; recomputes S^T = K Q^T, P^T, dP^T = V dO^T,
+   dS^T and accumulates dV += P^T dO, dK += dS^T Q in registers; writes the valid key rows once.
+3. `BwdDQ`: one CTA per (query tile, head, sequence).  Loops over key tiles; recomputes S, P, dP, dS
+   and accumulates dQ += dS K in registers; writes the valid query rows once.
+
+No atomics and no global fp32 accumulator: every output element is produced by exactly one CTA in a
+fixed order, so results are bitwise reproducible (deterministic by construction).  The cost is that
+S = QK^T and dP = dO V^T are computed twice (7 GEMMs instead of FlashAttention-2's 5).
+
+Layout (packed): q/o/do [total_q, N, H], k/v [total_k, K, H], lse/dlse/delta [N, total_q] float32.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+
+from . import bounds, masking, tiles
+from . import bwd_common as bc
+
+
+def _mma(dtype, num_threads):
+    return cute.make_tiled_mma(
+        cute.nvgpu.warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16)),
+        (num_threads // 32, 1, 1),
+        permutation_mnk=(num_threads // 32 * 16, 16, 16),
+    )
+
+
+def _transposed(s, rows, cols):
+    """(cols, rows) view of a row-major (rows, cols) shared tile."""
+    return cute.composition(s, cute.make_layout((cols, rows), stride=(rows, 1)))
+
+
+class BwdPreprocess:
+    """Delta = rowsum(dO * O) - dlse (float32), valid rows with a visible key only."""
+
+    def __init__(self, dtype, head_dim: int, block_m: int = 64, num_threads: int = 128):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.block_m = block_m
+        self.num_threads = num_threads
+
+    @cute.jit
+    def __call__(
+        self,
+        mO: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        max_seqlen_q: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        copy_in = tiles.gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads, async_copy=False)
+        grid = (cute.ceil_div(max_seqlen_q, self.block_m), cute.size(mO.shape[1]), cute.size(mUsedQ.shape[0]))
+        self.kernel(mO, mdO, mLSE, mdLSE, mDelta, mCuQ, mUsedQ, copy_in).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mO: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        copy_in: cute.TiledCopy,
+    ):
+        BM = self.block_m
+        HD = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
+        m0 = m_block * BM
+        if m0 < q_len:
+            gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (BM, HD), (m_block, 0))
+            gdO = cute.local_tile(cute.domain_offset((q_start, 0), mdO[None, head, None]), (BM, HD), (m_block, 0))
+            thr = copy_in.get_slice(tidx)
+            tOgO = thr.partition_S(gO)
+            tOgdO = thr.partition_S(gdO)
+            tOcO = thr.partition_S(cute.make_identity_tensor((BM, HD)))
+            rO = cute.make_fragment_like(tOgO, self.dtype)
+            rdO = cute.make_fragment_like(tOgdO, self.dtype)
+            rO.fill(0)
+            rdO.fill(0)
+            for m in cutlass.range_constexpr(cute.size(rO.shape[1])):
+                if m0 + tOcO[0, m, 0][0] < q_len:
+                    cute.copy(copy_in, tOgO[None, m, None], rO[None, m, None])
+                    cute.copy(copy_in, tOgdO[None, m, None], rdO[None, m, None])
+            tpr = (64 if HD % 64 == 0 else 32) // (128 // self.dtype.width)
+            for m in cutlass.range_constexpr(cute.size(rO.shape[1])):
+                acc = cutlass.Float32(0.0)
+                for a in cutlass.range_constexpr(cute.size(rO.shape[0])):
+                    for kk in cutlass.range_constexpr(cute.size(rO.shape[2])):
+                        acc += rO[a, m, kk].to(cutlass.Float32) * rdO[a, m, kk].to(cutlass.Float32)
+                off = tpr // 2
+                while off >= 1:  # reduce over the tpr consecutive threads sharing a row
+                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off, mask=-1, mask_and_clamp=31)
+                    off = off // 2
+                i = m0 + tOcO[0, m, 0][0]
+                if tOcO[0, m, 0][1] == 0 and i < q_len:
+                    lv = mLSE[head, q_start + i]
+                    d = cutlass.Float32(0.0)
+                    if lv != -cutlass.Float32.inf:
+                        d = acc - mdLSE[head, q_start + i]
+                    mDelta[head, q_start + i] = d
+
+
+class _BwdBase:
+    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool):
+        assert head_dim % 32 == 0
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.block_m = block_m
+        self.block_n = block_n
+        self.num_threads = num_threads
+        self.has_softcap = has_softcap
+
+
+class BwdDKDV(_BwdBase):
+    """dK, dV for one key tile (all query heads of its GQA group, all query tiles that see it)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_k: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        dtype = self.dtype
+        sQ_layout = tiles.smem_layout(dtype, self.block_m, self.head_dim)
+        sK_layout = tiles.smem_layout(dtype, self.block_n, self.head_dim)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+
+        copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
+        copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
+        tiled_mma = _mma(dtype, self.num_threads)
+        grid = (cute.ceil_div(max_seqlen_k, self.block_n), cute.size(mK.shape[1]), cute.size(mUsedK.shape[0]))
+        self.kernel(
+            mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK,
+            score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
+            sQ_layout, sK_layout, copy_in, copy_out, tiled_mma, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        copy_in: cute.TiledCopy,
+        copy_out: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        BM = self.block_m
+        BN = self.block_n
+        HD = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head_kv, batch = cute.arch.block_idx()
+        k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
+        if n_block * BN < k_len:
+            q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
+            off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
+            m_min, m_max = bc.m_block_range(n_block, BM, BN, q_len, k_len, off, left, right)
+            group = mQ.shape[1] // mK.shape[1]
+            n0 = n_block * BN
+
+            gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, head_kv, None]), (BN, HD), (n_block, 0))
+            gV = cute.local_tile(cute.domain_offset((k_start, 0), mV[None, head_kv, None]), (BN, HD), (n_block, 0))
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            sQ = storage.sQ.get_tensor(sQ_layout)
+            sdO = storage.sdO.get_tensor(sQ_layout)
+            sK = storage.sK.get_tensor(sK_layout)
+            sV = storage.sV.get_tensor(sK_layout)
+            sQt = _transposed(sQ, BM, HD)
+            sdOt = _transposed(sdO, BM, HD)
+
+            thr_in = copy_in.get_slice(tidx)
+            tKsK = thr_in.partition_D(sK)
+            tVsV = thr_in.partition_D(sV)
+            tQsQ = thr_in.partition_D(sQ)
+            tdOsdO = thr_in.partition_D(sdO)
+            tKcK = thr_in.partition_S(cute.make_identity_tensor((BN, HD)))
+            tQcQ = thr_in.partition_S(cute.make_identity_tensor((BM, HD)))
+
+            thr_mma = tiled_mma.get_slice(tidx)
+            # GEMM operands: S^T = K Q^T, dP^T = V dO^T (A from smem), dV += P^T dO, dK += dS^T Q (B = X^T).
+            tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK))
+            tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
+            tPrV = thr_mma.make_fragment_A(thr_mma.partition_A(sV))
+            tPrdO = thr_mma.make_fragment_B(thr_mma.partition_B(sdO))
+            tVrdOt = thr_mma.make_fragment_B(thr_mma.partition_B(sdOt))
+            tKrQt = thr_mma.make_fragment_B(thr_mma.partition_B(sQt))
+            acc_dK = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, HD)), cutlass.Float32)
+            acc_dV = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, HD)), cutlass.Float32)
+            acc_dK.fill(0.0)
+            acc_dV.fill(0.0)
+
+            copy_a, copy_b, copy_bt = tiles.smem_tiled_copies(self.dtype, tiled_mma)
+            sa = copy_a.get_slice(tidx)
+            sb = copy_b.get_slice(tidx)
+            sbt = copy_bt.get_slice(tidx)
+            tSsK, tSrK_v = sa.partition_S(sK), sa.retile(tSrK)
+            tPsV, tPrV_v = sa.partition_S(sV), sa.retile(tPrV)
+            tSsQ, tSrQ_v = sb.partition_S(sQ), sb.retile(tSrQ)
+            tPsdO, tPrdO_v = sb.partition_S(sdO), sb.retile(tPrdO)
+            tVsdOt, tVrdOt_v = sbt.partition_S(sdOt), sbt.retile(tVrdOt)
+            tKsQt, tKrQt_v = sbt.partition_S(sQt), sbt.retile(tKrQt)
+
+            # (key, query) coordinates of this thread's S^T fragment.
+            cS_mn = masking.acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BN, BM))))
+            n_cols = cute.size(cS_mn, mode=[1])
+            lse2 = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
+            delta = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
+
+            gK_thr = thr_in.partition_S(gK)
+            gV_thr = thr_in.partition_S(gV)
+            tiles.load_rows_zero_fill(copy_in, gK_thr, tKsK, tKcK, n0, k_len)
+            tiles.load_rows_zero_fill(copy_in, gV_thr, tVsV, tKcK, n0, k_len)
+            cute.arch.cp_async_commit_group()
+
+            n_m = m_max - m_min
+            for it in cutlass.range(group * n_m, unroll=1):
+                head = head_kv * group + it // n_m
+                m_block = m_min + it % n_m
+                m0 = m_block * BM
+                gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, head, None]), (BM, HD), (m_block, 0))
+                gdO = cute.local_tile(cute.domain_offset((q_start, 0), mdO[None, head, None]), (BM, HD), (m_block, 0))
+                cute.arch.barrier()  # every warp is done with the previous sQ / sdO
+                tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gQ), tQsQ, tQcQ, m0, q_len)
+                cute.arch.cp_async_commit_group()
+                tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gdO), tdOsdO, tQcQ, m0, q_len)
+                cute.arch.cp_async_commit_group()
+                bc.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 1)
+
+                acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
+                acc_S.fill(0.0)
+                cute.arch.cp_async_wait_group(1)
+                cute.arch.barrier()
+                bc.gemm_ss(tiled_mma, acc_S, copy_a, tSsK, tSrK_v, tSrK, copy_b, tSsQ, tSrQ_v, tSrQ)
+                acc_T = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
+                need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
+                s_mn = masking.acc_mn_view(acc_S)
+                bc.probs_and_dscale(s_mn, masking.acc_mn_view(acc_T), cS_mn, lse2, m0, n0, k_len, off, left, right,
+                                    score_mul, cap_mul, need, 1, self.has_softcap)
+
+                acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
+                acc_dP.fill(0.0)
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                bc.gemm_ss(tiled_mma, acc_dP, copy_a, tPsV, tPrV_v, tPrV, copy_b, tPsdO, tPrdO_v, tPrdO)
+
+                # dV += P^T dO
+                rP = cute.make_fragment_like(acc_S, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
+                bc.gemm_rs(tiled_mma, acc_dV, cute.make_tensor(rP.iterator, bc.c_to_a_layout(rP.layout)),
+                           copy_bt, tVsdOt, tVrdOt_v, tVrdOt)
+                # dS^T = P^T (dP^T - Delta) [* (1 - tanh^2)];  dK += dS^T Q
+                bc.dscores(s_mn, masking.acc_mn_view(acc_dP), masking.acc_mn_view(acc_T), delta, 1, self.has_softcap)
+                rdS = cute.make_fragment_like(acc_dP, self.dtype)
+                rdS.store(acc_dP.load().to(self.dtype))
+                bc.gemm_rs(tiled_mma, acc_dK, cute.make_tensor(rdS.iterator, bc.c_to_a_layout(rdS.layout)),
+                           copy_bt, tKsQt, tKrQt_v, tKrQt)
+
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            gdK = cute.local_tile(cute.domain_offset((k_start, 0), mdK[None, head_kv, None]), (BN, HD), (n_block, 0))
+            gdV = cute.local_tile(cute.domain_offset((k_start, 0), mdV[None, head_kv, None]), (BN, HD), (n_block, 0))
+            bc.store_rows(acc_dK, dscale, self.dtype, tiled_mma, copy_out, sK, gdK, BN, HD, n0, k_len, tidx)
+            bc.store_rows(acc_dV, cutlass.Float32(1.0), self.dtype, tiled_mma, copy_out, sV, gdV, BN, HD, n0, k_len, tidx)
+
+
+class BwdDQ(_BwdBase):
+    """dQ for one query tile of one head (loops over the key tiles it sees)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQ: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_q: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        dtype = self.dtype
+        sQ_layout = tiles.smem_layout(dtype, self.block_m, self.head_dim)
+        sK_layout = tiles.smem_layout(dtype, self.block_n, self.head_dim)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+
+        copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
+        copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
+        tiled_mma = _mma(dtype, self.num_threads)
+        grid = (cute.ceil_div(max_seqlen_q, self.block_m), cute.size(mQ.shape[1]), cute.size(mUsedQ.shape[0]))
+        self.kernel(
+            mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK,
+            score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
+            sQ_layout, sK_layout, copy_in, copy_out, tiled_mma, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQ: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        copy_in: cute.TiledCopy,
+        copy_out: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        BM = self.block_m
+        BN = self.block_n
+        HD = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
+        if m_block * BM < q_len:
+            k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
+            off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
+            n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
+            head_kv = head // (mQ.shape[1] // mK.shape[1])
+            m0 = m_block * BM
+
+            gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, head, None]), (BM, HD), (m_block, 0))
+            gdO = cute.local_tile(cute.domain_offset((q_start, 0), mdO[None, head, None]), (BM, HD), (m_block, 0))
+            gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, head_kv, None]), (BN, HD), (None, 0))
+            gV = cute.local_tile(cute.domain_offset((k_start, 0), mV[None, head_kv, None]), (BN, HD), (None, 0))
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            sQ = storage.sQ.get_tensor(sQ_layout)
+            sdO = storage.sdO.get_tensor(sQ_layout)
+            sK = storage.sK.get_tensor(sK_layout)
+            sV = storage.sV.get_tensor(sK_layout)
+            sKt = _transposed(sK, BN, HD)
+
+            thr_in = copy_in.get_slice(tidx)
+            tQsQ = thr_in.partition_D(sQ)
+            tdOsdO = thr_in.partition_D(sdO)
+            tKsK = thr_in.partition_D(sK)
+            tVsV = thr_in.partition_D(sV)
+            tKgK = thr_in.partition_S(gK)
+            tVgV = thr_in.partition_S(gV)
+            tQcQ = thr_in.partition_S(cute.make_identity_tensor((BM, HD)))
+            tKcK = thr_in.partition_S(cute.make_identity_tensor((BN, HD)))
+
+            thr_mma = tiled_mma.get_slice(tidx)
+            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+            tPrdO = thr_mma.make_fragment_A(thr_mma.partition_A(sdO))
+            tPrV = thr_mma.make_fragment_B(thr_mma.partition_B(sV))
+            tQrKt = thr_mma.make_fragment_B(thr_mma.partition_B(sKt))
+            acc_dQ = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, HD)), cutlass.Float32)
+            acc_dQ.fill(0.0)
+
+            copy_a, copy_b, copy_bt = tiles.smem_tiled_copies(self.dtype, tiled_mma)
+            sa = copy_a.get_slice(tidx)
+            sb = copy_b.get_slice(tidx)
+            sbt = copy_bt.get_slice(tidx)
+            tSsQ, tSrQ_v = sa.partition_S(sQ), sa.retile(tSrQ)
+            tPsdO, tPrdO_v = sa.partition_S(sdO), sa.retile(tPrdO)
+            tSsK, tSrK_v = sb.partition_S(sK), sb.retile(tSrK)
+            tPsV, tPrV_v = sb.partition_S(sV), sb.retile(tPrV)
+            tQsKt, tQrKt_v = sbt.partition_S(sKt), sbt.retile(tQrKt)
+
+            cS_mn = masking.acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BM, BN))))
+            n_rows = cute.size(cS_mn, mode=[0])
+            lse2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            delta = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            bc.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 0)
+
+            tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gQ), tQsQ, tQcQ, m0, q_len)
+            tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gdO), tdOsdO, tQcQ, m0, q_len)
+            cute.arch.cp_async_commit_group()
+
+            for it in cutlass.range(n_max - n_min, unroll=1):
+                n_block = n_max - 1 - it
+                n0 = n_block * BN
+                cute.arch.barrier()  # every warp is done with the previous sK / sV
+                tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_block], tKsK, tKcK, n0, k_len)
+                cute.arch.cp_async_commit_group()
+                tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_block], tVsV, tKcK, n0, k_len)
+                cute.arch.cp_async_commit_group()
+
+                acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
+                acc_S.fill(0.0)
+                cute.arch.cp_async_wait_group(1)
+                cute.arch.barrier()
+                bc.gemm_ss(tiled_mma, acc_S, copy_a, tSsQ, tSrQ_v, tSrQ, copy_b, tSsK, tSrK_v, tSrK)
+                acc_T = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
+                need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
+                s_mn = masking.acc_mn_view(acc_S)
+                bc.probs_and_dscale(s_mn, masking.acc_mn_view(acc_T), cS_mn, lse2, m0, n0, k_len, off, left, right,
+                                    score_mul, cap_mul, need, 0, self.has_softcap)
+
+                acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
+                acc_dP.fill(0.0)
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                bc.gemm_ss(tiled_mma, acc_dP, copy_a, tPsdO, tPrdO_v, tPrdO, copy_b, tPsV, tPrV_v, tPrV)
+                bc.dscores(s_mn, masking.acc_mn_view(acc_dP), masking.acc_mn_view(acc_T), delta, 0, self.has_softcap)
+                rdS = cute.make_fragment_like(acc_dP, self.dtype)
+                rdS.store(acc_dP.load().to(self.dtype))
+                bc.gemm_rs(tiled_mma, acc_dQ, cute.make_tensor(rdS.iterator, bc.c_to_a_layout(rdS.layout)),
+                           copy_bt, tQsKt, tQrKt_v, tQrKt)
+
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
+            bc.store_rows(acc_dQ, dscale, self.dtype, tiled_mma, copy_out, sQ, gdQ, BM, HD, m0, q_len, tidx)

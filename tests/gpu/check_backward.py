@@ -1,0 +1,237 @@
+"""GPU check of the CuTe backward kernels against a float64 reference (run on a CUDA machine).
+
+    PYTHONPATH=. python tests/gpu/check_backward.py [--quick] [--json out.json]
+
+For every dtype x head dim x feature set (plain, causal top-left / bottom-right, window, window + causal
+bottom-right, softcap, negative and zero scale) on a packed batch with irregular lengths (0, 1, 127, 129,
+300, valid queries with no keys), gaps (seqused < segment), rows past cu_seqlens[-1] and GQA 28 q heads
+over 4 kv heads, plus long sequences (4095 / 2000 / 1, GQA 7):
+  * forward by ops.flash_forward, backward by bwd_ops.flash_backward with a random dO and dlse;
+  * |ours - ref64| <= 2 |naive_lowp - ref64| + 1e-3 max|ref64| (max over valid rows) for dq, dk, dv;
+    naive_lowp = float32 math on the same inputs, P and dS rounded to the input dtype before the GEMMs;
+  * padded rows of dq/dk/dv, dq of valid rows with no visible key, and dk/dv of keys no valid query sees
+    are exactly 0; no NaN/Inf anywhere;
+  * every padded row of q/k/v/o/dO/lse/dlse poisoned with NaN, +Inf, -Inf, 1e30 and random huge values:
+    bitwise identical gradients; two calls (deterministic=True and False) bitwise identical;
+  * dirty allocator: NaN-filled buffers of the outputs' sizes allocated and freed before the call.
+Exit status 0 iff everything passed.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from jax_padsafe._cute import bwd_ops, ops
+from tests.gpu.check_forward import DT, POISONS, packed_batch, pad_rows, poison
+from tests.gpu.reference import visible_mask
+
+
+def ref_backward(q, k, v, do, dlse, cu_q, cu_k, uq, uk, *, scale, causal, bottom_right, left, right, softcap,
+                 o_in=None, lowp=None, xp=jnp):
+    """(dq, dk, dv, seen_keys) of L = sum(o * do) + sum(lse * dlse) on the valid slices.
+    lowp=None: float64 throughout (o recomputed in float64).  lowp=dtype: float32 math, with o = o_in
+    (the low-precision forward output), P and dS rounded to lowp before their GEMMs."""
+    total_q, N, H = q.shape
+    K = k.shape[1]
+    g = N // K
+    ft = xp.float64 if lowp is None else xp.float32
+    rnd = (lambda x: x) if lowp is None else (lambda x: x.astype(lowp).astype(ft))
+    dq = np.zeros(q.shape)
+    dk = np.zeros(k.shape)
+    dv = np.zeros(v.shape)
+    seen = np.zeros(k.shape[0], bool)
+    for b in range(len(uq)):
+        lq, lk = int(uq[b]), int(uk[b])
+        if lq == 0 or lk == 0:
+            continue
+        sq, sk = slice(cu_q[b], cu_q[b] + lq), slice(cu_k[b], cu_k[b] + lk)
+        qs = xp.asarray(q[sq], ft).transpose(1, 0, 2)                               # [N, lq, H]
+        ks = xp.repeat(xp.asarray(k[sk], ft), g, axis=1).transpose(1, 0, 2)         # [N, lk, H]
+        vs = xp.repeat(xp.asarray(v[sk], ft), g, axis=1).transpose(1, 0, 2)
+        dos = xp.asarray(do[sq], ft).transpose(1, 0, 2)
+        dl = xp.asarray(dlse[:, sq], ft)                                            # [N, lq]
+        m = xp.asarray(visible_mask(None, None, lq, lk, causal, bottom_right, left, right))
+        seen[cu_k[b]:cu_k[b] + lk] |= np.asarray(m).any(0)
+        s = xp.matmul(qs, ks.transpose(0, 2, 1)) * scale
+        t = None
+        if softcap:
+            t = xp.tanh(s / softcap)
+            s = softcap * t
+        s = xp.where(m[None], s, -xp.inf)
+        mx = s.max(-1, keepdims=True)
+        has = xp.isfinite(mx)
+        mxs = xp.where(has, mx, 0.0)
+        e = xp.where(m[None], xp.exp(s - mxs), 0.0)
+        l = e.sum(-1, keepdims=True)
+        p = e / xp.where(has, l, 1.0)
+        if o_in is None:
+            o = xp.matmul(p, vs)
+        else:
+            o = xp.asarray(o_in[sq], ft).transpose(1, 0, 2)
+        delta = xp.where(has[..., 0], (dos * o).sum(-1) - dl, 0.0)                 # [N, lq]
+        pr = rnd(p)
+        dvs = xp.matmul(pr.transpose(0, 2, 1), dos)                                 # [N, lk, H]
+        dp = xp.matmul(dos, vs.transpose(0, 2, 1))
+        ds = xp.where(m[None] & has, p * (dp - delta[..., None]), 0.0)
+        if t is not None:
+            ds = ds * (1 - t * t)
+        ds = rnd(ds)
+        dqs = xp.matmul(ds, ks) * scale
+        dks = xp.matmul(ds.transpose(0, 2, 1), qs) * scale
+        # the naive low-precision attention returns its gradients in the input dtype, as the kernels do
+        dq[sq] = np.asarray(rnd(dqs.transpose(1, 0, 2)), np.float64)
+        dk[sk] = np.asarray(rnd(dks.reshape(K, g, lk, H).sum(1).transpose(1, 0, 2)), np.float64)
+        dv[sk] = np.asarray(rnd(dvs.reshape(K, g, lk, H).sum(1).transpose(1, 0, 2)), np.float64)
+    return dq, dk, dv, seen
+
+
+def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons,
+             scale=None, dirty=False):
+    jdt, ldt = DT[dtype]
+    N, H = q.shape[1], q.shape[2]
+    scale = 1.0 / np.sqrt(H) if scale is None else scale
+    q, k, v = (x.astype(ldt).astype(np.float64) for x in (q, k, v))
+    padq, padk = pad_rows(cu_q, uq, q.shape[0]), pad_rows(cu_k, uk, k.shape[0])
+    mxq = int(np.max(np.diff(cu_q))) if len(uq) else 0
+    mxk = int(np.max(np.diff(cu_k))) if len(uk) else 0
+    wl = -1 if left is None else left
+    wr = -1 if right is None else right
+    meta = [jnp.asarray(x) for x in (cu_q, cu_k, uq, uk)]
+    fwd = jax.jit(lambda qq, kk, vv: ops.flash_forward(
+        qq, kk, vv, *meta, max_seqlen_q=mxq, max_seqlen_k=mxk, scale=scale, causal=causal,
+        bottom_right=bottom_right, window_left=wl, window_right=wr, softcap=softcap or 0.0))
+
+    def bwd_fn(det):
+        return jax.jit(lambda qq, kk, vv, oo, ll, dd, dl: bwd_ops.flash_backward(
+            qq, kk, vv, oo, ll, dd, dl, *meta, max_seqlen_q=mxq, max_seqlen_k=mxk, scale=scale, causal=causal,
+            bottom_right=bottom_right, window_left=wl, window_right=wr, softcap=softcap or 0.0, deterministic=det))
+
+    bwd, bwd_det = bwd_fn(False), bwd_fn(True)
+    o, lse = fwd(jnp.asarray(q, jdt), jnp.asarray(k, jdt), jnp.asarray(v, jdt))
+    o_np = np.asarray(o.astype(jnp.float32)).astype(np.float64)
+    lse_np = np.asarray(lse).astype(np.float64)
+    do = rng.standard_normal(q.shape).astype(ldt).astype(np.float64)
+    dlse = rng.standard_normal(lse_np.shape) * 0.3
+    do[padq] = 0
+    dlse[:, padq] = 0
+
+    def call(f, qq, kk, vv, oo, ll, dd, dl):
+        r = f(jnp.asarray(qq, jdt), jnp.asarray(kk, jdt), jnp.asarray(vv, jdt), jnp.asarray(oo, jdt),
+              jnp.asarray(ll, jnp.float32), jnp.asarray(dd, jdt), jnp.asarray(dl, jnp.float32))
+        return tuple(np.asarray(x.astype(jnp.float32)) for x in r)
+
+    args = (q, k, v, o_np, lse_np, do, dlse)
+    g0 = call(bwd, *args)
+    kw = dict(scale=scale, causal=causal, bottom_right=bottom_right, left=left, right=right, softcap=softcap)
+    ref = ref_backward(q, k, v, do, dlse, cu_q, cu_k, uq, uk, **kw)
+    nai = ref_backward(q, k, v, do, dlse, cu_q, cu_k, uq, uk, o_in=o_np, lowp=jdt, **kw)
+    seen = ref[3]
+    fails = []
+    errs = {}
+    for gi, (nm, pad) in enumerate((("dq", padq), ("dk", padk), ("dv", padk))):
+        ours, r, nv = g0[gi], ref[gi], nai[gi]
+        if not np.all(np.isfinite(ours)):
+            fails.append(f"non-finite {nm}")
+        if np.any(ours[pad] != 0):
+            fails.append(f"padded {nm} rows not exactly 0")
+        valid = ~pad
+        e = np.abs(ours - r)[valid].max(initial=0.0)
+        en = np.abs(nv - r)[valid].max(initial=0.0)
+        tol = 2 * en + 1e-3 * np.abs(r).max(initial=0.0) + 1e-6
+        errs[nm] = (float(e), float(en))
+        if not e <= tol:
+            fails.append(f"{nm} error {e:.3g} > 2*{en:.3g} + eps")
+    if np.any(g0[1][~seen] != 0) or np.any(g0[2][~seen] != 0):
+        fails.append("dk/dv not exactly 0 for keys no valid query sees")
+    empty = np.isneginf(lse_np).T  # [total_q, N] valid rows with no visible key
+    if np.any(g0[0][empty] != 0):
+        fails.append("dq not exactly 0 in a valid row with no visible key")
+    same = lambda a, b: all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b))
+    if not same(call(bwd_det, *args), g0) or not same(call(bwd, *args), g0):
+        fails.append("not bitwise reproducible across calls (deterministic / default)")
+    for kind in poisons:
+        pq = poison(q, padq, kind, rng)
+        pk, pv = poison(k, padk, kind, rng), poison(v, padk, kind, rng)
+        po, pdo = poison(o_np, padq, kind, rng), poison(do, padq, kind, rng)
+        pl, pdl = poison(lse_np.T, padq, kind, rng).T, poison(dlse.T, padq, kind, rng).T
+        if not same(call(bwd_det, pq, pk, pv, po, pl, pdo, pdl), g0):
+            fails.append(f"not bitwise identical under poison {kind}")
+    if dirty:
+        junk = [jnp.full((x.size * 2,), jnp.nan, jnp.float32) for x in g0]
+        jax.block_until_ready(junk)
+        del junk
+        if not same(call(bwd, *args), g0):
+            fails.append("dirty allocator changed the result")
+    return dict(name=name, dtype=dtype, head_dim=H, errs=errs, fails=fails)
+
+
+FEATURES = {
+    "plain": dict(causal=False, bottom_right=False, left=None, right=None, softcap=0.0),
+    "causal_tl": dict(causal=True, bottom_right=False, left=None, right=None, softcap=0.0),
+    "causal_br": dict(causal=True, bottom_right=True, left=None, right=None, softcap=0.0),
+    "window_tl": dict(causal=False, bottom_right=False, left=37, right=9, softcap=0.0),
+    "window_causal_br": dict(causal=True, bottom_right=True, left=100, right=None, softcap=0.0),
+    "softcap_causal": dict(causal=True, bottom_right=False, left=None, right=None, softcap=30.0),
+    "softcap_small": dict(causal=False, bottom_right=False, left=None, right=None, softcap=2.0),
+    "neg_scale_causal": dict(causal=True, bottom_right=False, left=None, right=None, softcap=0.0, scale=-0.07),
+    "zero_scale_window": dict(causal=False, bottom_right=True, left=5, right=5, softcap=0.0, scale=0.0),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    jax.config.update("jax_enable_x64", True)
+    print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, "fwd library:", ops.library_available(),
+          "bwd:", bwd_ops.backward_available(), bwd_ops.built_variants()[:3], flush=True)
+    if not bwd_ops.backward_available():
+        print("FAIL: the kernel library has no backward kernels (run scripts/gpu_check.sh build)")
+        return 1
+    rng = np.random.default_rng(0)
+    results = []
+    dims = sorted({h for (_, _, h, _) in bwd_ops.built_variants()}) or [64, 128]
+    if a.quick:
+        dims = [d for d in dims if d in (64, 128)]
+    dtypes = ("bf16",) if a.quick else ("bf16", "fp16")
+    feats = ("plain", "causal_br", "softcap_causal") if a.quick else tuple(FEATURES)
+    poisons = ("nan", "huge") if a.quick else tuple(POISONS)
+    t0 = time.time()
+    for dtype in dtypes:
+        for H in dims:
+            batch = packed_batch(rng, q_lens=[0, 1, 127, 129, 300, 64], k_lens=[5, 1, 127, 129, 333, 0],
+                                 q_gaps=[3, 0, 1, 7, 0, 2], k_gaps=[0, 2, 1, 0, 9, 4], tail=11, N=28, K=4, H=H)
+            for i, fname in enumerate(feats):
+                r = run_case(f"gqa7_{fname}", dtype, *batch, rng=rng, poisons=poisons, dirty=(i == 0),
+                             **FEATURES[fname])
+                results.append(r)
+                print(("FAIL " if r["fails"] else "ok   ") + f"{dtype} hd{H} {r['name']}: {r['errs']} {r['fails']}",
+                      flush=True)
+    longs = (("bf16", 128),) if a.quick else (("bf16", 64), ("bf16", 128), ("fp16", 128))
+    for dtype, H in longs:
+        if H not in dims:
+            continue
+        batch = packed_batch(rng, q_lens=[4095, 1, 2000], k_lens=[4095, 3000, 1999], q_gaps=[1, 0, 0],
+                             k_gaps=[0, 5, 0], tail=3, N=7, K=1, H=H)
+        for fname in ("plain", "causal_br", "causal_tl", "window_tl"):
+            r = run_case(f"long_gqa7_{fname}", dtype, *batch, rng=rng, poisons=("nan",), **FEATURES[fname])
+            results.append(r)
+            print(("FAIL " if r["fails"] else "ok   ") + f"{dtype} hd{H} {r['name']}: {r['errs']} {r['fails']}",
+                  flush=True)
+    nfail = sum(bool(r["fails"]) for r in results)
+    print(f"\n{len(results) - nfail}/{len(results)} backward cases passed in {time.time() - t0:.0f} s")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return 1 if nfail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
