@@ -76,8 +76,9 @@ def test_window_symmetric_int(impl):
   import jax_padsafe
   kw = helpers.api_kwargs(p, impl)
   kw["local_window_size"] = 4
-  out = jax_padsafe.dot_product_attention(jnp.asarray(p.q, jnp.float32), jnp.asarray(p.k, jnp.float32),
-                                          jnp.asarray(p.v, jnp.float32), **kw)
+  dtype = helpers.dtype_for(impl, jnp.float32)
+  out = jax_padsafe.dot_product_attention(jnp.asarray(p.q, dtype), jnp.asarray(p.k, dtype),
+                                          jnp.asarray(p.v, dtype), **kw)
   helpers.assert_bitwise_equal(np.asarray(out), base["out"], "int window vs (4, 4)")
 
 
@@ -154,10 +155,14 @@ def test_no_lengths_matches_jax_nn(impl):
   import jax
   import jax_padsafe
   rng = np.random.default_rng(20)
-  q = jnp.asarray(rng.standard_normal((2, 16, 4, 32)), jnp.float32)
-  k = jnp.asarray(rng.standard_normal((2, 24, 2, 32)), jnp.float32)
-  v = jnp.asarray(rng.standard_normal((2, 24, 2, 32)), jnp.float32)
+  dtype = helpers.dtype_for(impl, jnp.float32)
+  q = jnp.asarray(rng.standard_normal((2, 16, 4, 64)), dtype)
+  k = jnp.asarray(rng.standard_normal((2, 24, 2, 64)), dtype)
+  v = jnp.asarray(rng.standard_normal((2, 24, 2, 64)), dtype)
+  tol = 2e-6 if dtype == jnp.float32 else 2e-2
   for causal in (False, True):
     ours = jax_padsafe.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
-    theirs = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
-    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-6, rtol=1e-5)
+    theirs = jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                          v.astype(jnp.float32), is_causal=causal,
+                                          implementation="xla")
+    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs), atol=tol, rtol=tol)
