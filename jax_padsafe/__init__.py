@@ -6,6 +6,8 @@ Public API:
   ``[B, T, N, H]``) plus causal alignment, softcap, segment ids and a differentiable lse.
 * :func:`varlen_attention`: the packed (variable-length) layout ``[total, N, H]`` with
   ``cu_seqlens`` and optional per-sequence used lengths.
+* :mod:`jax_padsafe.sharding`: ring (context-parallel) attention and the zigzag layout.
+* Layers: :mod:`jax_padsafe.flax_linen`, :mod:`jax_padsafe.flax_nnx`, :mod:`jax_padsafe.equinox`.
 
 The pad-safety contract (docs/contract.md): every output and gradient is bitwise independent of
 what padded memory holds, padded rows come out as exact zeros, and no NaN/Inf is ever produced
@@ -16,4 +18,18 @@ from jax_padsafe._api import dot_product_attention, varlen_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["dot_product_attention", "varlen_attention", "__version__"]
+
+def kernels_available() -> dict:
+  """Which GPU kernels this install carries: ``{"forward": bool, "backward": bool}``.
+
+  True means the CuTe DSL kernel library was built into this install and loads; the kernels then
+  run for supported calls on CUDA devices (sm_80 class and sm_90). It never raises.
+  """
+  try:
+    from jax_padsafe._cute import bwd_ops, ops  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return {"forward": False, "backward": False}
+  return {"forward": ops.library_available(), "backward": bwd_ops.backward_available()}
+
+
+__all__ = ["dot_product_attention", "varlen_attention", "kernels_available", "__version__"]

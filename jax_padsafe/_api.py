@@ -8,6 +8,8 @@ non-CUDA platforms so a program stays portable.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -209,7 +211,9 @@ def varlen_attention(
 
 # --------------------------------------------------------------------------------------------------
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _run(spec, backend, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
+  # Jitted so that eager calls compile once per configuration (under an outer jit it is inlined).
   # Sanitise before any arithmetic: padded rows become exact zeros by select. Gradients flow back
   # through the select, which routes exact zeros to the padded rows.
   q = _masking.zero_invalid_rows(q, q_seg)

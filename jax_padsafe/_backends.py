@@ -6,13 +6,15 @@
   portable). A feature combination the kernels do not support raises ``NotImplementedError``.
 * ``None``: the kernels when they are built and support the call, else the pure-JAX forward.
 
-The backward is the pure-JAX blockwise backward for both until the backward kernels land.
+The backward runs on the CuTe backward kernels where they are built and support the call (CUDA),
+and is the pure-JAX blockwise backward otherwise.
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
 from jax import lax
 
 from jax_padsafe import _xla
@@ -99,4 +101,50 @@ def cute_forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_a
   return lax.platform_dependent(q, k, v, cuda=on_cuda, default=elsewhere)
 
 
-CUTE = _xla.Backend("cute", cute_forward, _xla.xla_backward)
+def _backward_kernel_ops(spec: AttentionSpec, q, k):
+  """The backward kernel module if it is built and supports this call, else ``None``."""
+  try:
+    from jax_padsafe._cute import bwd_ops  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  if not bwd_ops.backward_available():
+    return None
+  reason = bwd_ops.unsupported_reason(
+      dtype=q.dtype, head_dim=q.shape[-1], num_heads=q.shape[-2], num_kv_heads=k.shape[-2],
+      causal=spec.causal, window=spec.has_window, softcap=spec.softcap)
+  return bwd_ops if reason is None else None
+
+
+def cute_backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args, o, lse, do,
+                  dlse):
+  """Backward on the GPU kernels (CUDA) where built and supported, else the pure-JAX backward."""
+  bwd_ops = _backward_kernel_ops(spec, q, k)
+  if bwd_ops is None or bias is not None or mask is not None:
+    return _xla.xla_backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args, o,
+                             lse, do, dlse)
+  b, t, n, h = q.shape
+  s, nk = k.shape[1], k.shape[2]
+
+  def on_cuda(q, k, v, o, lse, do, dlse):
+    # Both layouts reach the kernels packed: the padded one as B sequences of T (resp. S) rows.
+    def rows_last(x):  # [B, N, T] -> [N, B*T]
+      return jnp.transpose(x, (1, 0, 2)).reshape(n, b * t)
+    dq, dk, dv = bwd_ops.flash_backward(
+        q.reshape(b * t, n, h), k.reshape(b * s, nk, h), v.reshape(b * s, nk, v.shape[-1]),
+        o.reshape(b * t, n, o.shape[-1]), rows_last(lse), do.reshape(b * t, n, do.shape[-1]),
+        rows_last(dlse.astype(jnp.float32)),
+        kernel_args["cu_seqlens_q"], kernel_args["cu_seqlens_k"],
+        kernel_args["seqused_q"], kernel_args["seqused_k"],
+        deterministic=spec.deterministic, **_kernel_static_args(spec))
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+  def elsewhere(q, k, v, o, lse, do, dlse):
+    return _xla.backward(spec, q, k, v, None, None, q_seg, k_seg, q_pos, k_pos, o, lse, do,
+                         dlse)[:3]
+
+  do = do.astype(q.dtype)
+  dq, dk, dv = lax.platform_dependent(q, k, v, o, lse, do, dlse, cuda=on_cuda, default=elsewhere)
+  return dq, dk, dv, None
+
+
+CUTE = _xla.Backend("cute", cute_forward, cute_backward)

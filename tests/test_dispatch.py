@@ -20,8 +20,12 @@ def kernels_built(monkeypatch):
   monkeypatch.setenv("JAX_PADSAFE_CUTE_LIB", "/nonexistent/libjax_padsafe_kernels.so")
   _cute._load.cache_clear()
   monkeypatch.setattr(_cute, "library_available", lambda: True)
+  bwd = pytest.importorskip("jax_padsafe._cute.bwd_ops")
+  bwd._load.cache_clear()
+  monkeypatch.setattr(bwd, "backward_available", lambda: True)
   yield
   _cute._load.cache_clear()
+  bwd._load.cache_clear()
 
 
 def _qkv(b=2, t=16, s=24, n=8, k=2, h=64, dtype=jnp.bfloat16):
@@ -50,7 +54,16 @@ def test_default_prefers_kernels_and_gradient_keeps_them(kernels_built):
   def loss(q, k, v):
     return jnp.sum(jax_padsafe.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
   assert TARGET in _targets(_lowered(loss, *_qkv()))
-  assert TARGET in _targets(_lowered(jax.grad(loss, (0, 1, 2)), *_qkv()))
+  grad_targets = _targets(_lowered(jax.grad(loss, (0, 1, 2)), *_qkv()))
+  assert TARGET in grad_targets and "jax_padsafe_bwd" in grad_targets
+
+
+def test_backward_without_kernel_variant_uses_pure_jax(kernels_built):
+  """Head dim 192 has a forward kernel but (by default) no backward one: the gradient falls back."""
+  def loss(q, k, v):
+    return jnp.sum(jax_padsafe.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
+  grad_targets = _targets(_lowered(jax.grad(loss, (0, 1, 2)), *_qkv(h=192)))
+  assert TARGET in grad_targets and "jax_padsafe_bwd" not in grad_targets
 
 
 def test_varlen_lowers_to_custom_call(kernels_built):
