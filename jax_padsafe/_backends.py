@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
+from jax import custom_batching
 from jax import lax
 
 from jax_padsafe import _xla
@@ -73,6 +74,36 @@ def _partitioned_kernel(packed: bool):
   return _partitioning.partition_padded_forward(_partitioning.packed_to_padded(ops.flash_forward))
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_call(packed: bool, static_items: tuple):
+  """The partitioned kernel forward for one static configuration, with a vmap rule.
+
+  ``custom_partitioning`` has no batching rule, so ``jax.vmap`` is given one here: for the padded
+  layout the mapped axis is just more sequences and is folded into the batch (one kernel launch);
+  for the packed layout each mapped problem is its own launch (``lax.map``).
+  """
+  inner = _partitioned_kernel(packed)
+  static = dict(static_items)
+
+  @custom_batching.custom_vmap
+  def call(*args):
+    return inner(*args, **static)
+
+  @call.def_vmap
+  def call_vmap(axis_size, in_batched, *args):
+    args = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            for a, batched in zip(args, in_batched)]
+    if packed:
+      out = lax.map(lambda xs: call(*xs), tuple(args))
+    else:
+      fold = lambda x: x.reshape((-1,) + x.shape[2:])
+      o, lse = call(*(fold(a) for a in args))
+      out = (o.reshape((axis_size, -1) + o.shape[1:]), lse.reshape((axis_size, -1) + lse.shape[1:]))
+    return out, (True, True)
+
+  return call
+
+
 def _kernel_static_args(spec: AttentionSpec):
   return dict(
       max_seqlen_q=int(spec.max_seqlen_q), max_seqlen_k=int(spec.max_seqlen_k),
@@ -86,14 +117,13 @@ def cute_forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_a
   """Forward on the GPU kernel for CUDA, the pure-JAX forward elsewhere (same results contract)."""
 
   def on_cuda(q, k, v):
-    static = _kernel_static_args(spec)
+    static = tuple(sorted(_kernel_static_args(spec).items()))
     if spec.packed:  # canonical batch of one holding the packed rows
-      o, lse = _partitioned_kernel(True)(
+      o, lse = _kernel_call(True, static)(
           q[0], k[0], v[0], kernel_args["cu_seqlens_q"], kernel_args["cu_seqlens_k"],
-          kernel_args["seqused_q"], kernel_args["seqused_k"], **static)
+          kernel_args["seqused_q"], kernel_args["seqused_k"])
       return o[None], lse[None]
-    return _partitioned_kernel(False)(q, k, v, kernel_args["seqused_q"], kernel_args["seqused_k"],
-                                      **static)
+    return _kernel_call(False, static)(q, k, v, kernel_args["seqused_q"], kernel_args["seqused_k"])
 
   def elsewhere(q, k, v):
     return _xla.forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos)

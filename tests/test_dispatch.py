@@ -107,3 +107,24 @@ def test_without_library_default_is_pure_jax(monkeypatch):
   assert "not built" in _backends.kernel_unsupported_reason(
       jax_padsafe._api.AttentionSpec(scale=1.0), *_qkv()[:2], bias=None, mask=None,
       has_segment_ids=False)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_vmap_and_grad_of_kernel_path_lower(kernels_built, layout):
+  """jax.vmap over the kernel path (custom_partitioning has no batching rule of its own)."""
+  if layout == "padded":
+    lens = jnp.array([16, 5], jnp.int32)
+    f = lambda q, k, v: jax_padsafe.dot_product_attention(
+        q, k, v, is_causal=True, query_seq_lengths=lens, implementation="cute")
+    args = [jax.ShapeDtypeStruct((3,) + x.shape, x.dtype) for x in _qkv()]
+  else:
+    cu = jnp.array([0, 10, 40], jnp.int32)
+    f = lambda q, k, v: jax_padsafe.varlen_attention(q, k, v, cu, cu, max_seqlen_q=30,
+                                                     max_seqlen_k=30, implementation="cute")
+    args = [jax.ShapeDtypeStruct((3, 40, 8, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((3, 40, 2, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((3, 40, 2, 64), jnp.bfloat16)]
+  assert TARGET in _targets(_lowered(jax.vmap(f), *args))
+  loss = lambda q, k, v: jnp.sum(jax.vmap(f)(q, k, v).astype(jnp.float32))
+  grad_targets = _targets(_lowered(jax.grad(loss, (0, 1, 2)), *args))
+  assert TARGET in grad_targets and "jax_padsafe_bwd" in grad_targets
