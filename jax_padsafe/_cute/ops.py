@@ -50,13 +50,9 @@ def library_path() -> Path:
     return here
 
 
-def load_kernel_family(family: str, target_name: str):
-    """Load the library, read the variant table of one kernel family ("fwd" or "bwd") and register
-    its FFI target for CUDA; ``(lib, variants)`` or None when the library or the family is absent.
-
-    The library exports, per family, ``jps_<family>_initialize`` / ``_execute`` (the XLA FFI stages)
-    and ``jps_num_<family>_variants`` / ``jps_<family>_variant(i, &arch, &dtype, &head_dim, &softcap)``.
-    """
+@functools.lru_cache(maxsize=None)
+def _load():
+    """Load the library and register the FFI target once; None if unavailable."""
     path = library_path()
     if not path.is_file():
         return None
@@ -64,30 +60,25 @@ def load_kernel_family(family: str, target_name: str):
         lib = ctypes.CDLL(str(path))
     except OSError:
         return None
-    names = [f"jps_{family}_initialize", f"jps_{family}_execute", f"jps_num_{family}_variants",
-             f"jps_{family}_variant"]
-    if not all(hasattr(lib, name) for name in names):
-        return None
-    initialize, execute, count, variant = (getattr(lib, name) for name in names)
-    count.restype = ctypes.c_int
+    for name in ("jps_fwd_initialize", "jps_fwd_execute", "jps_num_fwd_variants", "jps_fwd_variant"):
+        if not hasattr(lib, name):
+            return None
+    lib.jps_num_fwd_variants.restype = ctypes.c_int
     variants = []
-    for i in range(count()):
+    for i in range(lib.jps_num_fwd_variants()):
         vals = [ctypes.c_int() for _ in range(4)]
-        if variant(i, *[ctypes.byref(x) for x in vals]) == 0:
+        if lib.jps_fwd_variant(i, *[ctypes.byref(x) for x in vals]) == 0:
             variants.append(tuple(x.value for x in vals))  # (arch, dtype code, head_dim, softcap)
     with _lock:
         jax.ffi.register_ffi_target(
-            target_name,
-            {"initialize": jax.ffi.pycapsule(initialize), "execute": jax.ffi.pycapsule(execute)},
+            TARGET_NAME,
+            {
+                "initialize": jax.ffi.pycapsule(lib.jps_fwd_initialize),
+                "execute": jax.ffi.pycapsule(lib.jps_fwd_execute),
+            },
             platform="CUDA",
         )
     return lib, tuple(variants)
-
-
-@functools.lru_cache(maxsize=None)
-def _load():
-    """Load the library and register the forward FFI target once; None if unavailable."""
-    return load_kernel_family("fwd", TARGET_NAME)
 
 
 def library_available() -> bool:
