@@ -46,7 +46,7 @@ def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, ha
   n, h = query.shape[-2], query.shape[-1]
   return ops.unsupported_reason(
       dtype=query.dtype, head_dim=h, head_dim_v=h, num_heads=n, num_kv_heads=key.shape[-2],
-      causal=spec.causal, window=spec.has_window, softcap=spec.softcap is not None,
+      causal=spec.causal, window=spec.has_window, softcap=spec.softcap,
       has_bias=bias is not None)
 
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_padsafe import _masking
 from jax_padsafe import _validation as V
 from jax_padsafe._api import dot_product_attention
 
@@ -119,8 +120,7 @@ def select_rows(x, valid):
   """
   if valid is None:
     return x
-  valid = valid.reshape(valid.shape + (1,) * (x.ndim - valid.ndim))
-  return jnp.where(valid, x, jnp.zeros((), x.dtype))
+  return _masking.select_rows(x, valid)
 
 
 def positions_from_segments(segment_ids):
@@ -171,6 +171,3 @@ def check_no_dropout(dropout_rate, deterministic, where):
         "deterministically (deterministic=True / inference=True), or apply dropout to the "
         "attention output instead.")
 
-
-def is_tracer(x):
-  return isinstance(x, jax.core.Tracer)

@@ -37,7 +37,13 @@ def visible(spec: AttentionSpec, q_seg, k_seg, q_pos, k_pos):
   return vis
 
 
+def select_rows(x, valid):
+  """``x [batch..., L, features...]`` with rows where ``valid [batch..., L]`` is False replaced by
+  exact zeros: a select, so NaN/Inf there cannot leak and the gradient routed to them is 0."""
+  valid = valid.reshape(valid.shape + (1,) * (x.ndim - valid.ndim))
+  return jnp.where(valid, x, jnp.zeros((), x.dtype))
+
+
 def zero_invalid_rows(x, seg):
   """Replace rows of ``x [B, L, ...]`` whose segment is negative by exact zeros (a select)."""
-  valid = row_is_valid(seg).reshape(seg.shape + (1,) * (x.ndim - seg.ndim))
-  return jnp.where(valid, x, jnp.zeros((), x.dtype))
+  return select_rows(x, row_is_valid(seg))

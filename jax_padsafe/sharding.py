@@ -400,8 +400,11 @@ def _merge(o_acc, lse_acc, o_blk, lse_blk):
   def rows(x):  # [B, N, T] -> [B, T, N, 1]
     return jnp.transpose(x, (0, 2, 1))[..., None]
 
-  o = (rows(w_acc) * o_acc + rows(w_blk) * o_blk) / rows(tot)
-  o = jnp.where(rows(empty), _F32(0), o)
+  # A side that saw nothing is dropped by select (its weight is 0, but 0 * x is only safe for
+  # finite x, and the contract forbids relying on that).
+  part_acc = jnp.where(rows(lse_acc == ninf), _F32(0), rows(w_acc) * o_acc)
+  part_blk = jnp.where(rows(lse_blk == ninf), _F32(0), rows(w_blk) * o_blk)
+  o = jnp.where(rows(empty), _F32(0), (part_acc + part_blk) / rows(tot))
   return o, lse
 
 
