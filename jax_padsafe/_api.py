@@ -17,6 +17,7 @@ from jax import lax
 
 from jax_padsafe import _backends
 from jax_padsafe import _masking
+from jax_padsafe import _packing
 from jax_padsafe import _validation as V
 from jax_padsafe import _xla
 from jax_padsafe._spec import AttentionSpec
@@ -42,6 +43,7 @@ def dot_product_attention(
     return_lse: bool = False,
     deterministic: bool = False,
     block_k: int = 512,
+    max_segments: int | None = None,
 ):
   r"""Pad-safe scaled dot-product attention; a drop-in for ``jax.nn.dot_product_attention``.
 
@@ -67,10 +69,18 @@ def dot_product_attention(
       (``off = kv_len - q_len`` per sequence, FlashAttention's convention for KV-cache decoding).
     query_segment_ids, key_value_segment_ids: int ``[B, T]`` / ``[B, S]``; a query sees only keys
       with the same id; a negative id marks padding (it matches nothing, not even another negative id).
+      The GPU kernels run them when every non-negative id forms one contiguous run of rows per batch
+      row, on both sides, with the key runs in the query runs' order (sequence packing), and, with
+      causal or window masks, when the runs of one id start at the same position (e.g. identical
+      query and key ids). Other layouts run on the pure-JAX path: chosen at trace time when the ids
+      are concrete (``implementation="cute"`` then raises), at run time when they are traced.
     return_lse: also return the log-sum-exp ``[B, N, T]`` float32 (differentiable).
     deterministic: gradients bitwise identical across repeated calls. The pure-JAX path always is;
       GPU backward kernels that accumulate with atomics switch to an ordered reduction.
     block_k: keys per step of the pure-JAX blockwise loop (memory ~ ``T * block_k`` per head).
+    max_segments: static bound on the segment-id runs per batch row that the kernels are sized for
+      (their grid grows with it). Default: counted from concrete ids, else 32 for traced ids. Rows
+      with more runs take the pure-JAX path at run time.
 
   Returns:
     ``out`` with ``query``'s shape and dtype, or ``(out, lse)`` with ``return_lse=True``. Padded
@@ -97,33 +107,33 @@ def dot_product_attention(
   mask = None if mask is None else V.broadcastable_4d(
       "mask", mask[None] if unbatched and jnp.ndim(mask) == 3 else mask, (b, n, t, s), bool_dtype=True)
 
-  q_len = _lengths("query_seq_lengths", query_seq_lengths, b, t)
-  kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, b, s)
-
   if (query_segment_ids is None) != (key_value_segment_ids is None):
     raise ValueError("query_segment_ids and key_value_segment_ids must be given together")
-  q_ids = _segment_ids("query_segment_ids", query_segment_ids, (b, t))
-  kv_ids = _segment_ids("key_value_segment_ids", key_value_segment_ids, (b, s))
-
-  rows_q = jnp.arange(t, dtype=jnp.int32)[None, :]
-  rows_k = jnp.arange(s, dtype=jnp.int32)[None, :]
-  q_seg = _segments_from_lengths(rows_q, q_len, q_ids)
-  k_seg = _segments_from_lengths(rows_k, kv_len, kv_ids)
-  offset = (kv_len - q_len) if causal_alignment == "bottom_right" else jnp.zeros_like(q_len)
-  q_pos = jnp.broadcast_to(rows_q + offset[:, None], (b, t))
-  k_pos = jnp.broadcast_to(rows_k, (b, s))
+  raw_rows = (query_seq_lengths, key_value_seq_lengths, query_segment_ids, key_value_segment_ids)
+  rows = functools.partial(_canonical_rows, b, t, s, causal_alignment, *raw_rows)
+  q_len, kv_len, q_seg, k_seg, q_pos, k_pos = rows()
 
   spec = _make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
                     bottom_right=causal_alignment == "bottom_right", max_seqlen_q=t, max_seqlen_k=s,
                     deterministic=bool(deterministic))
-  # The padded layout maps onto the kernels' packed layout: sequence b owns rows b*T .. b*T+T-1.
-  kernel_args = dict(
-      cu_seqlens_q=jnp.arange(b + 1, dtype=jnp.int32) * t,
-      cu_seqlens_k=jnp.arange(b + 1, dtype=jnp.int32) * s,
-      seqused_q=q_len, seqused_k=kv_len)
+  # The kernels see the padded layout as runs of rows per batch row (_packing): one per row for
+  # lengths, one per packed segment for segment ids.
+  segments_reason, kernel_args = None, None
+  if implementation == "xla":
+    pass
+  elif query_segment_ids is None:
+    kernel_args = dict(_packing.runs_from_lengths(q_len, kv_len)._asdict())
+  else:
+    # Concrete ids (and lengths) are mapped while tracing, so that a layout the kernels cannot
+    # express is known now; traced ones leave the choice to a run-time predicate.
+    concrete = all(x is None or V.is_concrete(x) for x in raw_rows)
+    if concrete:
+      with jax.ensure_compile_time_eval():
+        kernel_args, segments_reason = _segment_runs(spec, *rows()[2:], max_segments)
+    else:
+      kernel_args, segments_reason = _segment_runs(spec, q_seg, k_seg, q_pos, k_pos, max_segments)
   backend = _backends.choose_backend(
-      implementation, spec, query, key, bias=bias, mask=mask,
-      has_segment_ids=query_segment_ids is not None)
+      implementation, spec, query, key, bias=bias, mask=mask, segments_reason=segments_reason)
 
   out, lse = _run(spec, backend, query, key, value, bias, mask, q_seg, k_seg, q_pos, k_pos,
                   kernel_args)
@@ -201,8 +211,7 @@ def varlen_attention(
                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                     deterministic=bool(deterministic))
   kernel_args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
-  backend = _backends.choose_backend(implementation, spec, query, key, bias=None, mask=None,
-                                        has_segment_ids=False)
+  backend = _backends.choose_backend(implementation, spec, query, key, bias=None, mask=None)
   out, lse = _run(spec, backend, query[None], key[None], value[None], None, None,
                   q_seg[None], k_seg[None], q_pos[None], k_pos[None], kernel_args)
   out, lse = out[0], lse[0]
@@ -265,6 +274,52 @@ def _segments_from_lengths(rows, lengths, ids):
   if ids is None:
     return jnp.where(valid, 0, -1).astype(jnp.int32)
   return jnp.where(valid & (ids >= 0), ids, -1).astype(jnp.int32)
+
+
+def _canonical_rows(b, t, s, alignment, q_lengths, kv_lengths, q_ids, kv_ids):
+  """Lengths, canonical segments (-1 = padding) and positions of the padded layout's rows."""
+  q_len = _lengths("query_seq_lengths", q_lengths, b, t)
+  kv_len = _lengths("key_value_seq_lengths", kv_lengths, b, s)
+  q_ids = _segment_ids("query_segment_ids", q_ids, (b, t))
+  kv_ids = _segment_ids("key_value_segment_ids", kv_ids, (b, s))
+  rows_q = jnp.arange(t, dtype=jnp.int32)[None, :]
+  rows_k = jnp.arange(s, dtype=jnp.int32)[None, :]
+  q_seg = _segments_from_lengths(rows_q, q_len, q_ids)
+  k_seg = _segments_from_lengths(rows_k, kv_len, kv_ids)
+  offset = (kv_len - q_len) if alignment == "bottom_right" else jnp.zeros_like(q_len)
+  q_pos = jnp.broadcast_to(rows_q + offset[:, None], (b, t))
+  k_pos = jnp.broadcast_to(rows_k, (b, s))
+  return q_len, kv_len, q_seg, k_seg, q_pos, k_pos
+
+
+def _segment_runs(spec, q_seg, k_seg, q_pos, k_pos, max_segments):
+  """Kernel arguments for segment ids: ``(kernel_args, reason)``; ``reason`` is a sentence when
+  concrete ids cannot run on the kernels. Traced ids add ``runs_exact`` for a run-time choice."""
+  concrete = V.is_concrete(q_seg) and V.is_concrete(k_seg)
+  if max_segments is not None:
+    if not isinstance(max_segments, (int, np.integer)) or isinstance(max_segments, bool) \
+        or max_segments < 1:
+      raise ValueError(f"max_segments must be a positive Python int, got {max_segments!r}")
+    max_runs = int(max_segments)
+  elif concrete:  # the next power of two of the runs counted, to share compilations
+    max_runs = 1 << max(int(np.max(np.asarray(_packing.count_runs(q_seg)), initial=1)) - 1, 0).bit_length()
+  else:
+    max_runs = _packing.DEFAULT_TRACED_MAX_RUNS
+  max_runs = max(1, min(max_runs, q_seg.shape[1]))
+  runs, exact = _packing.runs_from_segments(
+      q_seg, k_seg, q_pos, k_pos, max_runs=max_runs,
+      positional=spec.causal or spec.has_window, bottom_right=spec.bottom_right)
+  kernel_args = dict(runs._asdict())
+  if concrete and V.is_concrete(exact):
+    if not bool(exact):
+      return kernel_args, (
+          "these segment ids are not contiguous runs that the kernels can express (each "
+          f"non-negative id one run of rows per batch row on both sides, at most {max_runs} runs, "
+          "key runs in the query runs' order, and with causal/window masks runs of one id "
+          "starting at the same position; see `max_segments`)")
+    return kernel_args, None
+  kernel_args["runs_exact"] = exact
+  return kernel_args, None
 
 
 def _check_cu_seqlens(name, cu, total):

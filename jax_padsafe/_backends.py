@@ -31,7 +31,7 @@ def _kernel_ops():
   return ops
 
 
-def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, has_segment_ids):
+def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, segments_reason=None):
   """``None`` if the GPU forward kernel can run this call, else why not (a sentence)."""
   ops = _kernel_ops()
   if ops is None:
@@ -41,8 +41,8 @@ def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, ha
             "(see BUILD.md: build from source with the kernels enabled)")
   if mask is not None:
     return "a boolean `mask` is only supported by the pure-JAX path (use lengths or segment ids)"
-  if has_segment_ids:
-    return "segment ids are not yet mapped onto the kernels"
+  if segments_reason is not None:
+    return segments_reason
   n, h = query.shape[-2], query.shape[-1]
   return ops.unsupported_reason(
       dtype=query.dtype, head_dim=h, head_dim_v=h, num_heads=n, num_kv_heads=key.shape[-2],
@@ -50,12 +50,13 @@ def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, ha
       has_bias=bias is not None)
 
 
-def choose_backend(implementation, spec: AttentionSpec, query, key, *, bias, mask, has_segment_ids):
+def choose_backend(implementation, spec: AttentionSpec, query, key, *, bias, mask,
+                   segments_reason=None):
   """The ``_xla.Backend`` for this call (see the module docstring for the rules)."""
   if implementation == "xla":
     return _xla.XLA
   reason = kernel_unsupported_reason(spec, query, key, bias=bias, mask=mask,
-                                     has_segment_ids=has_segment_ids)
+                                     segments_reason=segments_reason)
   if reason is None:
     return CUTE
   if implementation == "cute":
@@ -65,24 +66,33 @@ def choose_backend(implementation, spec: AttentionSpec, query, key, *, bias, mas
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned_kernel(packed: bool):
-  """The kernel forward wrapped so that batch/head-sharded calls run shard-local (no all-gather)."""
-  from jax_padsafe import _partitioning  # pylint: disable=g-import-not-at-top
-  from jax_padsafe._cute import ops  # pylint: disable=g-import-not-at-top
-  if packed:
-    return _partitioning.partition_packed_forward(ops.flash_forward)
-  return _partitioning.partition_padded_forward(_partitioning.packed_to_padded(ops.flash_forward))
+def _partitioned_kernel(kind: str):
+  """A kernel entry point wrapped so that batch/head-sharded calls run shard-local (no all-gather).
+
+  ``kind``: ``fwd_packed``/``bwd_packed`` (the varlen layout, heads shardable) or
+  ``fwd_runs``/``bwd_runs`` (the padded layout as runs per batch row, see ``_packing``; batch and
+  heads shardable).
+  """
+  from jax_padsafe import _partitioning as P  # pylint: disable=g-import-not-at-top
+  from jax_padsafe._cute import bwd_ops, ops  # pylint: disable=g-import-not-at-top
+  return {
+      "fwd_packed": lambda: P.partition_packed_forward(ops.flash_forward),
+      "fwd_runs": lambda: P.partition_runs_forward(P.packed_to_runs(ops.flash_forward)),
+      "bwd_packed": lambda: P.partition_packed_backward(bwd_ops.flash_backward),
+      "bwd_runs": lambda: P.partition_runs_backward(
+          P.packed_backward_to_runs(bwd_ops.flash_backward)),
+  }[kind]()
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_call(packed: bool, static_items: tuple):
-  """The partitioned kernel forward for one static configuration, with a vmap rule.
+def _kernel_call(kind: str, static_items: tuple):
+  """The partitioned kernel call for one static configuration, with a vmap rule.
 
   ``custom_partitioning`` has no batching rule, so ``jax.vmap`` is given one here: for the padded
-  layout the mapped axis is just more sequences and is folded into the batch (one kernel launch);
-  for the packed layout each mapped problem is its own launch (``lax.map``).
+  (runs) layout the mapped axis is just more batch rows and is folded into the batch (one kernel
+  launch); for the packed layout each mapped problem is its own launch (``lax.map``).
   """
-  inner = _partitioned_kernel(packed)
+  inner = _partitioned_kernel(kind)
   static = dict(static_items)
 
   @custom_batching.custom_vmap
@@ -93,13 +103,13 @@ def _kernel_call(packed: bool, static_items: tuple):
   def call_vmap(axis_size, in_batched, *args):
     args = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
             for a, batched in zip(args, in_batched)]
-    if packed:
+    if kind.endswith("packed"):
       out = lax.map(lambda xs: call(*xs), tuple(args))
     else:
       fold = lambda x: x.reshape((-1,) + x.shape[2:])
-      o, lse = call(*(fold(a) for a in args))
-      out = (o.reshape((axis_size, -1) + o.shape[1:]), lse.reshape((axis_size, -1) + lse.shape[1:]))
-    return out, (True, True)
+      out = call(*(fold(a) for a in args))
+      out = tuple(x.reshape((axis_size, -1) + x.shape[1:]) for x in out)
+    return out, (True,) * len(out)
 
   return call
 
@@ -113,22 +123,40 @@ def _kernel_static_args(spec: AttentionSpec):
       softcap=0.0 if spec.softcap is None else float(spec.softcap))
 
 
+def _run_kernel_or_fallback(kernel_args, on_cuda, elsewhere, *operands):
+  """``on_cuda`` on CUDA devices and ``elsewhere`` on other platforms; when the segment-id runs
+  were traced (``kernel_args["runs_exact"]``), a run-time ``lax.cond`` sends layouts the kernels
+  cannot express exactly to ``elsewhere`` (the pure-JAX path) on CUDA as well."""
+  exact = kernel_args.get("runs_exact") if kernel_args else None
+  cuda = on_cuda
+  if exact is not None:
+    cuda = lambda *xs: lax.cond(exact, on_cuda, elsewhere, *xs)
+  return lax.platform_dependent(*operands, cuda=cuda, default=elsewhere)
+
+
+def _runs_args(kernel_args):
+  return tuple(kernel_args[name] for name in ("q_start", "q_used", "k_start", "k_used"))
+
+
+def _packed_args(kernel_args):
+  return tuple(kernel_args[name] for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q",
+                                              "seqused_k"))
+
+
 def cute_forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
   """Forward on the GPU kernel for CUDA, the pure-JAX forward elsewhere (same results contract)."""
+  static = tuple(sorted(_kernel_static_args(spec).items()))
 
   def on_cuda(q, k, v):
-    static = tuple(sorted(_kernel_static_args(spec).items()))
     if spec.packed:  # canonical batch of one holding the packed rows
-      o, lse = _kernel_call(True, static)(
-          q[0], k[0], v[0], kernel_args["cu_seqlens_q"], kernel_args["cu_seqlens_k"],
-          kernel_args["seqused_q"], kernel_args["seqused_k"])
+      o, lse = _kernel_call("fwd_packed", static)(q[0], k[0], v[0], *_packed_args(kernel_args))
       return o[None], lse[None]
-    return _kernel_call(False, static)(q, k, v, kernel_args["seqused_q"], kernel_args["seqused_k"])
+    return _kernel_call("fwd_runs", static)(q, k, v, *_runs_args(kernel_args))
 
   def elsewhere(q, k, v):
     return _xla.forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos)
 
-  return lax.platform_dependent(q, k, v, cuda=on_cuda, default=elsewhere)
+  return _run_kernel_or_fallback(kernel_args, on_cuda, elsewhere, q, k, v)
 
 
 def _backward_kernel_ops(spec: AttentionSpec, q, k):
@@ -148,32 +176,25 @@ def _backward_kernel_ops(spec: AttentionSpec, q, k):
 def cute_backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args, o, lse, do,
                   dlse):
   """Backward on the GPU kernels (CUDA) where built and supported, else the pure-JAX backward."""
-  bwd_ops = _backward_kernel_ops(spec, q, k)
-  if bwd_ops is None or bias is not None or mask is not None:
+  if _backward_kernel_ops(spec, q, k) is None or bias is not None or mask is not None:
     return _xla.xla_backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args, o,
                              lse, do, dlse)
-  b, t, n, h = q.shape
-  s, nk = k.shape[1], k.shape[2]
+  static = tuple(sorted(dict(_kernel_static_args(spec), deterministic=spec.deterministic).items()))
 
   def on_cuda(q, k, v, o, lse, do, dlse):
-    # Both layouts reach the kernels packed: the padded one as B sequences of T (resp. S) rows.
-    def rows_last(x):  # [B, N, T] -> [N, B*T]
-      return jnp.transpose(x, (1, 0, 2)).reshape(n, b * t)
-    dq, dk, dv = bwd_ops.flash_backward(
-        q.reshape(b * t, n, h), k.reshape(b * s, nk, h), v.reshape(b * s, nk, v.shape[-1]),
-        o.reshape(b * t, n, o.shape[-1]), rows_last(lse), do.reshape(b * t, n, do.shape[-1]),
-        rows_last(dlse.astype(jnp.float32)),
-        kernel_args["cu_seqlens_q"], kernel_args["cu_seqlens_k"],
-        kernel_args["seqused_q"], kernel_args["seqused_k"],
-        deterministic=spec.deterministic, **_kernel_static_args(spec))
-    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    dlse = dlse.astype(jnp.float32)
+    if spec.packed:
+      grads = _kernel_call("bwd_packed", static)(
+          q[0], k[0], v[0], o[0], lse[0], do[0], dlse[0], *_packed_args(kernel_args))
+      return tuple(g[None] for g in grads)
+    return _kernel_call("bwd_runs", static)(q, k, v, o, lse, do, dlse, *_runs_args(kernel_args))
 
   def elsewhere(q, k, v, o, lse, do, dlse):
     return _xla.backward(spec, q, k, v, None, None, q_seg, k_seg, q_pos, k_pos, o, lse, do,
                          dlse)[:3]
 
   do = do.astype(q.dtype)
-  dq, dk, dv = lax.platform_dependent(q, k, v, o, lse, do, dlse, cuda=on_cuda, default=elsewhere)
+  dq, dk, dv = _run_kernel_or_fallback(kernel_args, on_cuda, elsewhere, q, k, v, o, lse, do, dlse)
   return dq, dk, dv, None
 
 

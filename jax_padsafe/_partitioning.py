@@ -41,7 +41,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-__all__ = ["partition_packed_forward", "partition_padded_forward", "packed_to_padded"]
+from jax_padsafe import _packing
+
+__all__ = ["partition_packed_forward", "partition_padded_forward", "partition_runs_forward",
+           "partition_packed_backward", "partition_runs_backward", "packed_to_padded",
+           "packed_to_runs", "packed_backward_to_runs"]
 
 # Per-dimension roles: "b" batch (shardable), "n" query heads, "k" key/value heads, None: never split.
 _PACKED_ARGS = ((None, "n", None), (None, "k", None), (None, "k", None), (None,), (None,),
@@ -55,6 +59,20 @@ _PADDED_ARGS = (("b", None, "n", None), ("b", None, "k", None), ("b", None, "k",
 _PADDED_OUTS = (("b", None, "n", None), ("b", "n", None))
 _PADDED_RULE = "b t (k g) h, b s k h, b s k h, b, b -> b t (k g) h, b (k g) t"
 _PADDED_REPLICATED = ("t", "s", "h")
+
+_RUNS_ARGS = _PADDED_ARGS[:3] + (("b", None),) * 4
+_RUNS_RULE = "b t (k g) h, b s k h, b s k h, b r, b r, b r, b r -> b t (k g) h, b (k g) t"
+
+_Q, _KV, _LSE = (None, "n", None), (None, "k", None), ("n", None)
+_PACKED_BWD_ARGS = (_Q, _KV, _KV, _Q, _LSE, _Q, _LSE, (None,), (None,), (None,), (None,))
+_PACKED_BWD_OUTS = (_Q, _KV, _KV)
+_PACKED_BWD_RULE = ("t (k g) h, s k h, s k h, t (k g) h, (k g) t, t (k g) h, (k g) t, c, c, b, b "
+                    "-> t (k g) h, s k h, s k h")
+_BQ, _BKV, _BLSE = ("b", None, "n", None), ("b", None, "k", None), ("b", "n", None)
+_RUNS_BWD_ARGS = (_BQ, _BKV, _BKV, _BQ, _BLSE, _BQ, _BLSE) + (("b", None),) * 4
+_RUNS_BWD_OUTS = (_BQ, _BKV, _BKV)
+_RUNS_BWD_RULE = ("b t (k g) h, b s k h, b s k h, b t (k g) h, b (k g) t, b t (k g) h, b (k g) t, "
+                  "b r, b r, b r, b r -> b t (k g) h, b s k h, b s k h")
 
 _HEAD_MODES = ("reshard", "strict")
 
@@ -77,23 +95,89 @@ def packed_to_padded(packed_fn):
   Sequence ``b`` owns packed rows ``b*T .. b*T+T-1``; ``cu_seqlens`` are built from the shapes it
   sees, so under :func:`partition_padded_forward` they describe the local batch shard.
   """
+  runs_fn = packed_to_runs(packed_fn)
 
   @functools.wraps(packed_fn)
   def padded(q, k, v, q_len, kv_len, **static):
-    b, t, n, h = q.shape
-    s, nk = k.shape[1], k.shape[2]
-    o, lse = packed_fn(
-        q.reshape(b * t, n, h), k.reshape(b * s, nk, k.shape[-1]), v.reshape(b * s, nk, v.shape[-1]),
-        jnp.arange(b + 1, dtype=jnp.int32) * t, jnp.arange(b + 1, dtype=jnp.int32) * s,
-        q_len.astype(jnp.int32), kv_len.astype(jnp.int32), **static)
-    return o.reshape(b, t, n, o.shape[-1]), lse.reshape(n, b, t).transpose(1, 0, 2)
+    return runs_fn(q, k, v, *_packing.runs_from_lengths(q_len, kv_len), **static)
 
   return padded
 
 
+def packed_to_runs(packed_fn):
+  """A padded forward over runs ``(q [B,T,N,H], k, v, q_start, q_used, k_start, k_used [B,R])``.
+
+  See :mod:`jax_padsafe._packing`: run ``r`` of batch row ``b`` becomes packed sequence ``b*R+r``,
+  with offsets built from the shapes it sees (the local batch shard under partitioning).
+  """
+
+  @functools.wraps(packed_fn)
+  def padded(q, k, v, q_start, q_used, k_start, k_used, **static):
+    b, t, n, h = q.shape
+    s, nk = k.shape[1], k.shape[2]
+    view = _packing.packed_view(_packing.Runs(q_start, q_used, k_start, k_used), t, s)
+    o, lse = packed_fn(
+        q.reshape(b * t, n, h), k.reshape(b * s, nk, k.shape[-1]), v.reshape(b * s, nk, v.shape[-1]),
+        *view, **static)
+    return o.reshape(b, t, n, o.shape[-1]), _rows_to_batch(lse, b, t)
+
+  return padded
+
+
+def packed_backward_to_runs(packed_bwd):
+  """The backward counterpart of :func:`packed_to_runs`.
+
+  ``packed_bwd(q, k, v, o, lse [N, total_q], do, dlse [N, total_q], cu_q, cu_k, used_q, used_k,
+  **static) -> (dq, dk, dv)`` becomes ``fn(q, k, v, o, lse [B,N,T], do, dlse [B,N,T], q_start,
+  q_used, k_start, k_used, **static) -> (dq, dk, dv)`` on the padded layout.
+  """
+
+  @functools.wraps(packed_bwd)
+  def padded(q, k, v, o, lse, do, dlse, q_start, q_used, k_start, k_used, **static):
+    b, t, n, h = q.shape
+    s, nk = k.shape[1], k.shape[2]
+    view = _packing.packed_view(_packing.Runs(q_start, q_used, k_start, k_used), t, s)
+    flat = lambda x, rows: x.reshape((b * rows,) + x.shape[2:])
+    dq, dk, dv = packed_bwd(
+        flat(q, t), flat(k, s), flat(v, s), flat(o, t), _batch_to_rows(lse), flat(do, t),
+        _batch_to_rows(dlse), *view, **static)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+  return padded
+
+
+def _rows_to_batch(x, b, t):  # [N, B*T] -> [B, N, T]
+  return x.reshape(x.shape[0], b, t).transpose(1, 0, 2)
+
+
+def _batch_to_rows(x):  # [B, N, T] -> [N, B*T]
+  return jnp.transpose(x, (1, 0, 2)).reshape(x.shape[1], -1)
+
+
+def partition_runs_forward(fn, *, head_sharding: str = "reshard"):
+  """Wrap a runs forward (see :func:`packed_to_runs`) so batch/head-sharded calls run shard-local."""
+  return _wrap(fn, _RUNS_ARGS, _PADDED_OUTS, _RUNS_RULE, _PADDED_REPLICATED + ("r",), head_sharding,
+               heads_of=lambda q, k: (q.shape[2], k.shape[2]))
+
+
+def partition_packed_backward(fn, *, head_sharding: str = "reshard"):
+  """Wrap a packed backward (``bwd_ops.flash_backward``'s signature) so head-sharded calls run
+  shard-local. dK/dV sum over a group's query heads, so MQA (one key/value head) is never split
+  by heads here: the heads are re-sharded to replicated instead."""
+  return _wrap(fn, _PACKED_BWD_ARGS, _PACKED_BWD_OUTS, _PACKED_BWD_RULE, _PACKED_REPLICATED,
+               head_sharding, heads_of=lambda q, k: (q.shape[1], k.shape[1]), sums_over_heads=True)
+
+
+def partition_runs_backward(fn, *, head_sharding: str = "reshard"):
+  """Wrap a runs backward (see :func:`packed_backward_to_runs`) for batch/head sharding."""
+  return _wrap(fn, _RUNS_BWD_ARGS, _RUNS_BWD_OUTS, _RUNS_BWD_RULE, _PADDED_REPLICATED + ("r",),
+               head_sharding, heads_of=lambda q, k: (q.shape[2], k.shape[2]), sums_over_heads=True)
+
+
 # --------------------------------------------------------------------------------------------------
 
-def _wrap(fn, arg_roles, out_roles, rule, replicated, head_sharding, heads_of):
+def _wrap(fn, arg_roles, out_roles, rule, replicated, head_sharding, heads_of,
+          sums_over_heads=False):
   if head_sharding not in _HEAD_MODES:
     raise ValueError(f"head_sharding must be one of {_HEAD_MODES}, got {head_sharding!r}")
 
@@ -109,14 +193,15 @@ def _wrap(fn, arg_roles, out_roles, rule, replicated, head_sharding, heads_of):
     if nk <= 0 or n % nk:
       raise ValueError(f"{fn.__name__}: query heads ({n}) must be a multiple of key/value heads ({nk})")
     op = _build(fn, tuple(sorted(static.items())), arg_roles, out_roles, rule, replicated,
-                head_sharding, n // nk, nk == 1)
+                head_sharding, n // nk, nk == 1, sums_over_heads)
     return op(*args)
 
   return wrapped
 
 
 @functools.lru_cache(maxsize=None)
-def _build(fn, static_items, arg_roles, out_roles, rule, replicated, head_sharding, group, mqa):
+def _build(fn, static_items, arg_roles, out_roles, rule, replicated, head_sharding, group, mqa,
+           sums_over_heads):
   from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
   static = dict(static_items)
 
@@ -142,8 +227,10 @@ def _build(fn, static_items, arg_roles, out_roles, rule, replicated, head_shardi
       ways = _size(mesh, head_axes)
       if nk % ways == 0:
         kv_axes = head_axes          # whole groups per shard
+      elif nk == 1 and not sums_over_heads:
+        kv_axes = None               # MQA forward: every shard needs the one key/value head
       elif nk == 1:
-        kv_axes = None               # MQA: every shard needs the one key/value head
+        head_axes = kv_axes = None   # MQA backward: dK/dV sum over all query heads; not split
       else:
         if head_sharding == "strict":
           raise ValueError(
@@ -171,6 +258,8 @@ def _build(fn, static_items, arg_roles, out_roles, rule, replicated, head_shardi
     return shardings(mesh, out_roles, batch_axes, head_axes, kv_axes)
 
   rule, factor_sizes = _specialise_rule(rule, group, mqa)
+  if mqa and sums_over_heads:
+    replicated = replicated + ("g",)  # the query heads are a reduction factor of dK/dV
   # Shardy wants the special factors in the order of their first appearance in the rule.
   order = _factor_order(rule)
   replicated = tuple(sorted((f for f in replicated if f in order), key=order.index))

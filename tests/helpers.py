@@ -88,25 +88,32 @@ def cotangents(p: oracle.Problem, rng):
   return rng.standard_normal((b, t, n, h)), rng.standard_normal((b, n, t))
 
 
-def make_runner(p: oracle.Problem, impl, *, grads=True):
-  """One jitted function (compiled once, reused for every poison) giving outputs and gradients."""
-  kw = api_kwargs(p, impl)
+def make_runner(p: oracle.Problem, impl, *, grads=True, traced_ids=False):
+  """One jitted function (compiled once, reused for every poison) giving outputs and gradients.
 
-  def f(q, k, v, bias):
+  ``traced_ids``: pass the segment ids as arguments of the jitted function (as a training step
+  does) instead of closing over them, so that they are traced rather than concrete."""
+  kw = api_kwargs(p, impl)
+  ids = (kw.pop("query_segment_ids"), kw.pop("key_value_segment_ids")) if traced_ids else ()
+
+  def f(q, k, v, bias, *ids):
+    if ids:
+      kw.update(query_segment_ids=ids[0], key_value_segment_ids=ids[1])
     return jax_padsafe.dot_product_attention(q, k, v, bias, return_lse=True, **kw)
 
-  def run(q, k, v, bias, do, dl):
+  def run(q, k, v, bias, do, dl, *ids):
     if not grads:
-      out, lse = f(q, k, v, bias)
+      out, lse = f(q, k, v, bias, *ids)
       return dict(out=out, lse=lse)
-    (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+    (out, lse), vjp = jax.vjp(lambda q, k, v, bias: f(q, k, v, bias, *ids), q, k, v, bias)
     dq, dk, dv, dbias = vjp((do, dl))
     res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     if dbias is not None:
       res["dbias"] = dbias
     return res
 
-  return jax.jit(run)
+  jitted = jax.jit(run)
+  return lambda *args: jitted(*args, *ids)
 
 
 def run_padded(p: oracle.Problem, dtype, runner, *, poison="zero", rng=None, d_out=None, d_lse=None):
@@ -214,12 +221,13 @@ def assert_contract_zeros(p: oracle.Problem, ours, ref):
       assert np.all(ours[name][~seen] == 0), f"{name} of keys no valid query sees must be exactly 0"
 
 
-def check_problem(p: oracle.Problem, dtype, impl, *, poisons=POISONS, seed=0, grads=True):
+def check_problem(p: oracle.Problem, dtype, impl, *, poisons=POISONS, seed=0, grads=True,
+                  traced_ids=False):
   """The whole contract on one problem: oracle match, exact zeros, bitwise poison invariance."""
   rng = np.random.default_rng(seed)
   dtype = dtype_for(impl, dtype)
   d_out, d_lse = cotangents(p, rng)
-  runner = make_runner(p, impl, grads=grads)
+  runner = make_runner(p, impl, grads=grads, traced_ids=traced_ids)
   base = run_padded(p, dtype, runner, poison="zero", d_out=d_out, d_lse=d_lse, rng=rng)
   ref = oracle.reference(p, d_out, d_lse)
   names = ["out", "lse"] + (["dq", "dk", "dv"] + (["dbias"] if p.bias is not None else [])
@@ -232,3 +240,30 @@ def check_problem(p: oracle.Problem, dtype, impl, *, poisons=POISONS, seed=0, gr
     for name in names:
       assert_bitwise_equal(poisoned[name], base[name], f"{name} with {poison} in the padding")
   return base, ref
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure-JAX stand-ins with the kernels' packed signatures (for CPU tests of the layout mapping and of
+# the partitioning wrappers around the FFI calls)
+# --------------------------------------------------------------------------------------------------
+
+def standin_flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *,
+                          max_seqlen_q, max_seqlen_k, scale, causal, bottom_right, window_left,
+                          window_right, softcap):
+  """Pure-JAX stand-in with the signature of ``jax_padsafe._cute.ops.flash_forward``."""
+  del max_seqlen_q, max_seqlen_k
+  return jax_padsafe.varlen_attention(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, scale=scale,
+      is_causal=causal, causal_alignment="bottom_right" if bottom_right else "top_left",
+      local_window_size=(window_left, window_right), softcap=softcap or None, return_lse=True,
+      implementation="xla", block_k=16)
+
+
+def standin_flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                           seqused_k, *, deterministic=False, **static):
+  """Pure-JAX stand-in with the signature of ``jax_padsafe._cute.bwd_ops.flash_backward``."""
+  del o, lse, deterministic
+  fwd = lambda q, k, v: standin_flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                              seqused_k, **static)
+  _, vjp = jax.vjp(fwd, q, k, v)
+  return vjp((do, dlse))

@@ -130,6 +130,29 @@ def test_segment_ids_cross(impl):
   contract(p, jnp.float32, impl)
 
 
+@pytest.mark.parametrize("layout", ["packed", "noncontiguous"])
+def test_segment_ids_traced(impl, layout):
+  """Segment ids as arguments of the jitted step (traced): packed runs take the kernels, a layout
+  they cannot express (id 3 comes back after id 4) is sent to the pure-JAX path at run time."""
+  rng = np.random.default_rng(19)
+  t = 40
+  ids = np.array([[0] * 9 + [1] * 14 + [-1] * 2 + [2] * 12 + [-1] * 3,
+                  [3] * 20 + [4] * 20 if layout == "packed" else [3] * 10 + [4] * 20 + [3] * 10])
+  p = random_problem(rng, b=2, t=t, s=t, n=4, k=2, q_len=[40, 37], kv_len=[40, 40], causal=True)
+  p.q_ids, p.kv_ids = ids, ids.copy()
+  contract(p, jnp.bfloat16, impl, traced_ids=True)
+
+
+def test_segment_ids_cross_contiguous(impl):
+  """Query and key layouts differ (T != S, one id without keys) but every id is one run on each
+  side, in the same order: the kernels run it (no causal mask, so positions do not matter)."""
+  rng = np.random.default_rng(20)
+  p = random_problem(rng, b=2, t=21, s=30, n=4, k=1, q_len=[21, 21], kv_len=[30, 25])
+  p.q_ids = np.array([[0] * 5 + [1] * 9 + [2] * 7, [7] * 11 + [-1] * 3 + [8] * 7])
+  p.kv_ids = np.array([[0] * 12 + [-1] * 2 + [2] * 16, [7] * 4 + [8] * 26])
+  contract(p, jnp.bfloat16, impl)
+
+
 def test_irregular_lengths(impl):
   """Lengths 0, 1, 127, 129 and 4095 in one batch (4096 rows: tiles cut at every boundary)."""
   rng = np.random.default_rng(18)

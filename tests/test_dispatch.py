@@ -76,7 +76,8 @@ def test_varlen_lowers_to_custom_call(kernels_built):
   assert _targets(_lowered(f, q, k, k)).count(TARGET) == 1
 
 
-@pytest.mark.parametrize("case", ["mask", "bias", "float32", "segment_ids", "head_dim_80"])
+@pytest.mark.parametrize("case", ["mask", "bias", "float32", "noncontiguous_segment_ids",
+                                  "head_dim_80"])
 def test_unsupported_falls_back_or_raises(kernels_built, case):
   q, k, v = _qkv(h=80 if case == "head_dim_80" else 64,
                  dtype=jnp.float32 if case == "float32" else jnp.bfloat16)
@@ -85,8 +86,8 @@ def test_unsupported_falls_back_or_raises(kernels_built, case):
     kw["mask"] = jnp.ones((1, 1, 16, 24), bool)
   if case == "bias":
     kw["bias"] = jnp.zeros((1, 1, 16, 24), jnp.float32)
-  if case == "segment_ids":
-    kw["query_segment_ids"] = jnp.zeros((2, 16), jnp.int32)
+  if case == "noncontiguous_segment_ids":  # id 0 comes back after id 1: not one run
+    kw["query_segment_ids"] = jnp.array([[0] * 5 + [1] * 5 + [0] * 6] * 2, jnp.int32)
     kw["key_value_segment_ids"] = jnp.zeros((2, 24), jnp.int32)
   default = lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, **kw)
   assert TARGET not in _targets(_lowered(default, q, k, v))
@@ -105,8 +106,7 @@ def test_without_library_default_is_pure_jax(monkeypatch):
   f = lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v)
   assert TARGET not in _targets(_lowered(f, *_qkv()))
   assert "not built" in _backends.kernel_unsupported_reason(
-      jax_padsafe._api.AttentionSpec(scale=1.0), *_qkv()[:2], bias=None, mask=None,
-      has_segment_ids=False)
+      jax_padsafe._api.AttentionSpec(scale=1.0), *_qkv()[:2], bias=None, mask=None)
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -128,3 +128,62 @@ def test_vmap_and_grad_of_kernel_path_lower(kernels_built, layout):
   loss = lambda q, k, v: jnp.sum(jax.vmap(f)(q, k, v).astype(jnp.float32))
   grad_targets = _targets(_lowered(jax.grad(loss, (0, 1, 2)), *args))
   assert TARGET in grad_targets and "jax_padsafe_bwd" in grad_targets
+
+
+def _seg_loss(kw):
+  def loss(q, k, v, *ids):
+    if ids:
+      kw.update(query_segment_ids=ids[0], key_value_segment_ids=ids[1])
+    return jnp.sum(jax_padsafe.dot_product_attention(q, k, v, **kw).astype(jnp.float32))
+  return loss
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_contiguous_segment_ids_run_on_kernels(kernels_built, causal):
+  """Packed sequences (contiguous runs of one id, -1 padding) reach both kernels, without any
+  run-time fallback when the ids are concrete."""
+  ids = jnp.array([[0] * 6 + [1] * 7 + [-1] * 3, [4] * 16], jnp.int32)
+  kw = dict(query_segment_ids=ids, key_value_segment_ids=ids, is_causal=causal,
+            implementation="cute")
+  q, _, _ = _qkv()
+  kv = jax.ShapeDtypeStruct((2, 16, 2, 64), jnp.bfloat16)
+  text = _lowered(jax.grad(_seg_loss(dict(kw)), (0, 1, 2)), q, kv, kv)
+  targets = _targets(text)
+  assert TARGET in targets and "jax_padsafe_bwd" in targets
+  assert _branches(text) == _branches(_lengths_grad_text())
+
+
+def _branches(text):
+  return text.count("stablehlo.case") + text.count("stablehlo.if")
+
+
+def _lengths_grad_text():
+  lens = jnp.array([13, 16], jnp.int32)
+  q, _, _ = _qkv()
+  kv = jax.ShapeDtypeStruct((2, 16, 2, 64), jnp.bfloat16)
+  return _lowered(jax.grad(_seg_loss(dict(query_seq_lengths=lens, implementation="cute")),
+                           (0, 1, 2)), q, kv, kv)
+
+
+def test_traced_segment_ids_choose_at_run_time(kernels_built):
+  """Traced ids cannot be checked while tracing: the kernels and the pure-JAX path are both
+  compiled and a run-time predicate (contiguous runs) picks one."""
+  q, k, v = _qkv()
+  ids_q = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+  ids_k = jax.ShapeDtypeStruct((2, 24), jnp.int32)
+  text = _lowered(jax.grad(_seg_loss(dict(is_causal=False)), (0, 1, 2)), q, k, v, ids_q, ids_k)
+  targets = _targets(text)
+  assert TARGET in targets and "jax_padsafe_bwd" in targets
+  assert _branches(text) > _branches(_lengths_grad_text())
+
+
+def test_cross_attention_segments_need_matching_positions_when_causal(kernels_built):
+  """Same ids but different run starts on the two sides: fine without masks, not with causal
+  (the kernels count positions from each run's start)."""
+  q_ids = jnp.array([[0] * 8 + [1] * 8] * 2, jnp.int32)
+  k_ids = jnp.array([[0] * 4 + [1] * 20] * 2, jnp.int32)
+  q, k, v = _qkv()
+  for causal, ok in ((False, True), (True, False)):
+    f = lambda q, k, v: jax_padsafe.dot_product_attention(
+        q, k, v, query_segment_ids=q_ids, key_value_segment_ids=k_ids, is_causal=causal)
+    assert (TARGET in _targets(_lowered(f, q, k, v))) == ok

@@ -181,16 +181,7 @@ def test_head_sharded_varlen():
 # custom_partitioning mechanism for opaque forwards (stand-in for the FFI kernel)
 # --------------------------------------------------------------------------------------------------
 
-def standin_flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *,
-                          max_seqlen_q, max_seqlen_k, scale, causal, bottom_right, window_left,
-                          window_right, softcap):
-  """Pure-JAX stand-in with the signature of ``jax_padsafe._cute.ops.flash_forward``."""
-  del max_seqlen_q, max_seqlen_k
-  return jax_padsafe.varlen_attention(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, scale=scale,
-      is_causal=causal, causal_alignment="bottom_right" if bottom_right else "top_left",
-      local_window_size=(window_left, window_right), softcap=softcap or None, return_lse=True,
-      implementation="xla", block_k=16)
+standin_flash_forward = helpers.standin_flash_forward
 
 
 _STATIC = dict(max_seqlen_q=16, max_seqlen_k=16, scale=0.25, causal=True, bottom_right=True,
@@ -238,6 +229,48 @@ def test_partitioned_forward(layout, heads):
             _partitioning.packed_to_padded(standin_flash_forward), head_sharding="strict")
     with pytest.raises(Exception, match="whole groups"):
       compile_for(lambda *a: strict(*a, **_STATIC), mesh, args, specs)
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 1)], ids=["gqa", "mqa"])
+def test_partitioned_runs_forward_and_backward(heads):
+  """Segment-id runs (the padded layout's route to the kernels): batch- and head-sharded forward
+  and backward run shard-local, with results equal to the unsharded call. The MQA backward sums
+  dK/dV over every query head, so it is not split by heads (heads gathered), and still right."""
+  n, kh = heads
+  rng = np.random.default_rng(40 + n)
+  mesh = make_mesh((2, 2), ("data", "model"))
+  b, t, h = 4, 16, 8
+  mk = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q, k, v, do = mk(b, t, n, h), mk(b, t, kh, h), mk(b, t, kh, h), mk(b, t, n, h)
+  dl = mk(b, n, t)
+  # Two runs per row (packed sequences); the last row holds one.
+  q_start = jnp.array([[0, 7], [0, 3], [2, 10], [0, 16]], jnp.int32)
+  q_used = jnp.array([[7, 9], [3, 13], [5, 4], [16, 0]], jnp.int32)
+  runs = (q_start, q_used, q_start, q_used)
+  fwd = _partitioning.packed_to_runs(standin_flash_forward)
+  bwd = _partitioning.packed_backward_to_runs(helpers.standin_flash_backward)
+  o, lse = fwd(q, k, v, *runs, **_STATIC)
+  expected = bwd(q, k, v, o, lse, do, dl, *runs, **_STATIC)
+  kv_heads = "model" if kh % 2 == 0 else None
+  qs, kvs, ls, rs = P("data", None, "model"), P("data", None, kv_heads), P("data", "model"), P("data")
+  fn = _partitioning.partition_runs_forward(fwd)
+  compiled, hlo = compile_for(lambda *a: fn(*a, **_STATIC), mesh, (q, k, v) + runs,
+                              (qs, kvs, kvs) + (rs,) * 4)
+  assert collectives(hlo) == []
+  got = compiled(*[place(a, mesh, sp) for a, sp in zip((q, k, v) + runs, (qs, kvs, kvs) + (rs,) * 4)])
+  for a, e in zip(got, (o, lse)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6, atol=1e-6)
+  fn = _partitioning.partition_runs_backward(bwd)
+  args = (q, k, v, o, lse, do, dl) + runs
+  specs = (qs, kvs, kvs, qs, ls, qs, ls) + (rs,) * 4
+  compiled, hlo = compile_for(lambda *a: fn(*a, **_STATIC), mesh, args, specs)
+  if kh % 2 == 0:
+    assert collectives(hlo) == [], "whole-group head sharding must run shard-local"
+  else:
+    assert "all-reduce" not in collectives(hlo), "MQA dK/dV must not be partial sums"
+  got = compiled(*[place(a, mesh, sp) for a, sp in zip(args, specs)])
+  for name, a, e in zip(("dq", "dk", "dv"), got, expected):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_partitioned_forward_explicit_mesh():
