@@ -7,6 +7,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -28,7 +29,8 @@ std::array<std::atomic<int>, kMaxDevices> g_arch_of_device{};  // 0: unknown, -1
 std::mutex g_load_mutex;
 std::array<bool, 256> g_arch_loaded{};
 
-// Which build serves a device: sm_90 runs the sm_90a build of the SM80-class kernel,
+// Which build serves a device: sm_90 runs the sm_90a build (the Hopper kernel family where built, else
+// the SM80-class kernel),
 // sm_80/86/87/89 the sm_80 build, sm_100/103 the sm_100a build, sm_120/121 the sm_120 build.
 int ArchForCapability(int major, int minor) {
   switch (major) {
@@ -87,6 +89,16 @@ ffi::Error FwdInitialize(ffi::RemainingArgs, ffi::RemainingRets) {
   return LoadModulesFor(arch);
 }
 
+// JAX_PADSAFE_SM90=0 in the environment keeps the SM80-class kernel on Hopper even where the library has
+// the sm90 family (A/B comparisons, a fallback should it misbehave); read once per process.
+bool Sm90FamilyEnabled() {
+  static const bool enabled = [] {
+    const char *e = std::getenv("JAX_PADSAFE_SM90");
+    return !(e && e[0] == '0');
+  }();
+  return enabled;
+}
+
 ffi::Error Invalid(const std::string &msg) { return ffi::Error::InvalidArgument("jax_padsafe_fwd: " + msg); }
 
 ffi::Error FwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -129,10 +141,14 @@ ffi::Error FwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   if (ffi::Error e = DeviceArch(&arch, nullptr); e.failure()) return e;
   if (ffi::Error e = LoadModulesFor(arch); e.failure()) return e;  // no-op once initialize ran
   const int cap = softcap > 0.0f ? 1 : 0;
+  // Prefer the Hopper kernel family (1) where it was built for this combination, else the SM80-class one.
   const JpsFwdVariant *var = nullptr;
+  const bool allow_sm90 = Sm90FamilyEnabled();
   for (int i = 0; i < kJpsNumFwdVariants; ++i) {
     const JpsFwdVariant &c = kJpsFwdVariants[i];
-    if (c.arch == arch && c.dtype == dtype && c.head_dim == H && c.softcap == cap) var = &c;
+    if (c.arch != arch || c.dtype != dtype || c.head_dim != H || c.softcap != cap) continue;
+    if (c.family == 1 && !allow_sm90) continue;
+    if (!var || c.family > var->family) var = &c;
   }
   if (!var)
     return ffi::Error(ffi::ErrorCode::kUnimplemented,

@@ -30,6 +30,7 @@ struct JpsFwdVariant {
   JpsFwdLoadFn load;
   JpsFwdLaunchFn launch;
   const char *name;
+  int family;    // 0: SM80-class kernel (fwd_sm80), 1: Hopper TMA + wgmma kernel (fwd_sm90, arch 90 only)
 };
 
 // Errors reported by the exported module loaders (CUTE_DSL_CUDA_ERROR_CHECK is redirected here).

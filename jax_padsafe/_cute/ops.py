@@ -68,7 +68,9 @@ def _load():
     for i in range(lib.jps_num_fwd_variants()):
         vals = [ctypes.c_int() for _ in range(4)]
         if lib.jps_fwd_variant(i, *[ctypes.byref(x) for x in vals]) == 0:
-            variants.append(tuple(x.value for x in vals))  # (arch, dtype code, head_dim, softcap)
+            v = tuple(x.value for x in vals)  # (arch, dtype code, head_dim, softcap)
+            if v not in variants:  # one entry per combination, whichever kernel family serves it
+                variants.append(v)
     with _lock:
         jax.ffi.register_ffi_target(
             TARGET_NAME,

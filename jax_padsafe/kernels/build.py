@@ -4,7 +4,9 @@
         [--head-dims 64,128] [--softcap 0,1] [--jobs 2]
 
 Environment overrides (for `pip install .` / CMake): JPS_ARCHS, JPS_DTYPES, JPS_HEAD_DIMS, JPS_SOFTCAP,
-JPS_JOBS, and JPS_TILES (tile experiments, e.g. "128=128x64x256,64=128x128x256": head_dim=BMxBNxTHREADS).
+JPS_JOBS, JPS_SM90 (1: also build the Hopper TMA + wgmma kernel family `fwd_sm90` for sm_90a; --sm90),
+and JPS_TILES (tile experiments, e.g. "128=128x64x256,64=128x128x256": head_dim=BMxBNxTHREADS); for the
+sm90 family JPS_SM90_TILES ("128=128x176x2": head_dim=BMxBNxSTAGES) and JPS_SM90_OPTS ("pingpong=0").
 For every variant this writes `<prefix>.o` + `<prefix>.h` (export_to_c), then `jps_registry.h`:
 a table of every built variant with a uniform launch adapter, which `ffi/` compiles in.
 """
@@ -19,10 +21,21 @@ from . import variants as V
 
 
 def _apply_tile_overrides():
-    for item in os.environ.get("JPS_TILES", "").split(","):
+    for env, table in (("JPS_TILES", V.TILES), ("JPS_SM90_TILES", V.SM90_TILES)):
+        for item in os.environ.get(env, "").split(","):
+            if item.strip():
+                hd, cfg = item.split("=")
+                table[int(hd)] = tuple(int(x) for x in cfg.split("x"))
+
+
+def _sm90_options():
+    """JPS_SM90_OPTS="pingpong=0,intra_wg_overlap=1": switches of FlashFwdSm90 for experiments."""
+    opts = {}
+    for item in os.environ.get("JPS_SM90_OPTS", "").split(","):
         if item.strip():
-            hd, cfg = item.split("=")
-            V.TILES[int(hd)] = tuple(int(x) for x in cfg.split("x"))
+            key, val = item.split("=")
+            opts[key.strip()] = bool(int(val))
+    return opts
 
 
 def _compile_one(args):
@@ -37,11 +50,19 @@ def _compile_one(args):
     from cutlass.runtime import find_runtime_libraries, make_fake_stream
 
     ctypes.CDLL(find_runtime_libraries(enable_tvm_ffi=False)[0], ctypes.RTLD_GLOBAL)
-    from .fwd_sm80 import FlashFwdSm80
 
     dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[variant.dtype]
     H = variant.head_dim
-    bm, bn, nt = variant.tile
+    if variant.family == "sm90":
+        from .fwd_sm90 import FlashFwdSm90
+
+        bm, bn, stages = variant.tile
+        kern = FlashFwdSm90(dt, H, bm, bn, stages, variant.softcap, **_sm90_options())
+    else:
+        from .fwd_sm80 import FlashFwdSm80
+
+        bm, bn, nt = variant.tile
+        kern = FlashFwdSm80(dt, H, bm, bn, nt, variant.softcap)
     sym = cute.sym_int
 
     def qkv():
@@ -50,7 +71,6 @@ def _compile_one(args):
     q, k, v, o = qkv(), qkv(), qkv(), qkv()
     lse = make_fake_compact_tensor(cutlass.Float32, (sym(), sym()), stride_order=(1, 0), assumed_align=4)
     vec = [make_fake_compact_tensor(cutlass.Int32, (sym(),), assumed_align=4) for _ in range(4)]
-    kern = FlashFwdSm80(dt, H, bm, bn, nt, variant.softcap)
     t0 = time.time()
     compiled = cute.compile(
         kern, q, k, v, o, lse, *vec, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(),
@@ -105,7 +125,8 @@ def write_registry(out: str, built):
     for v in built:
         body.append(
             f"  {{{V.ARCH_CODE[v.arch]}, {V.DTYPE_CODE[v.dtype]}, {v.head_dim}, {int(v.softcap)}, "
-            f"{v.tile[0]}, &{v.prefix}_module, &{v.prefix}_load, &{v.prefix}_launch, \"{v.prefix}\"}},"
+            f"{v.tile[0]}, &{v.prefix}_module, &{v.prefix}_load, &{v.prefix}_launch, \"{v.prefix}\", "
+            f"{V.FAMILY_CODE[v.family]}}},"
         )
     body.append("};")
     body.append(f"static const int kJpsNumFwdVariants = {len(built)};")
@@ -125,13 +146,16 @@ def main(argv=None):
     ap.add_argument("--dtypes", default=os.environ.get("JPS_DTYPES", ",".join(V.DTYPES)))
     ap.add_argument("--head-dims", default=os.environ.get("JPS_HEAD_DIMS", ",".join(map(str, V.HEAD_DIMS))))
     ap.add_argument("--softcap", default=os.environ.get("JPS_SOFTCAP", "0,1"))
+    ap.add_argument("--sm90", type=int, default=int(os.environ.get("JPS_SM90", "1")),
+                    help="1: also build the sm90 (TMA + wgmma) kernel family for sm_90a")
     ap.add_argument("--out", default="build/kernels")
     ap.add_argument("--jobs", type=int, default=int(os.environ.get("JPS_JOBS", os.cpu_count() or 1)))
     a = ap.parse_args(argv)
     _apply_tile_overrides()
     os.makedirs(a.out, exist_ok=True)
     todo = V.matrix(
-        _csv(a.archs), _csv(a.dtypes), _csv(a.head_dims, int), _csv(a.softcap, lambda x: bool(int(x)))
+        _csv(a.archs), _csv(a.dtypes), _csv(a.head_dims, int), _csv(a.softcap, lambda x: bool(int(x))),
+        sm90=bool(a.sm90),
     )
     out = os.path.abspath(a.out)
     built = []

@@ -39,3 +39,17 @@ def apply_visibility_mask(
             j = col0 + c_mn[0, c][1]
             if j < lo or j >= hi:
                 s_mn[r, c] = -cutlass.Float32.inf
+
+
+def acc_mn_view_sm90(acc: cute.Tensor) -> cute.Tensor:
+    """View a Hopper wgmma C fragment ((2, 2, N/8), MMA_M, MMA_N) as (rows, cols) of this thread.
+
+    Per 64 x N wgmma atom a thread holds rows r and r + 8 (mode 0[1]) and, in each 8-column block
+    (mode 0[2]), two adjacent columns (mode 0[0])."""
+    lay = cute.make_layout(acc.layout.shape)
+    s0, d0 = lay.shape[0], lay.stride[0]
+    mn = cute.make_layout(
+        ((s0[1], lay.shape[1]), (s0[0], s0[2], lay.shape[2])),
+        stride=((d0[1], lay.stride[1]), (d0[0], d0[2], lay.stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))

@@ -25,7 +25,13 @@ def quad_allreduce(val, op):
 def online_softmax_step(
     s_mn: cute.Tensor, o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, mul: cutlass.Float32
 ):
-    """Turn scores s into probabilities in place and rescale the O accumulator rows (mul > 0)."""
+    """Turn scores s into probabilities in place and rescale the O accumulator rows (mul > 0).
+
+    The O rows are rescaled only when some row of the warp changed its max (otherwise every alpha is
+    exactly 1.0, and skipping a multiplication by 1.0 changes no bit): after the first tiles this
+    saves one FMUL per O accumulator element per tile."""
+    alpha = cute.make_rmem_tensor(row_max.layout, cutlass.Float32)
+    changed = cutlass.Boolean(False)
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = s_mn[r, None].load()
         m_tile = quad_allreduce(
@@ -41,11 +47,16 @@ def online_softmax_step(
             m_safe = cutlass.Float32(0.0)
         m_scaled = m_safe * mul
         p = cute.math.exp2(row * mul - m_scaled, fastmath=True)
-        alpha = cute.math.exp2(m_old * mul - m_scaled, fastmath=True)
-        row_sum[r] = row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
+        a = cute.math.exp2(m_old * mul - m_scaled, fastmath=True)
+        if a != 1.0:
+            changed = cutlass.Boolean(True)
+        alpha[r] = a
+        row_sum[r] = row_sum[r] * a + p.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
         row_max[r] = m_new
         s_mn[r, None] = p
-        o_mn[r, None] = o_mn[r, None].load() * alpha
+    if cute.arch.vote_any_sync(changed):
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            o_mn[r, None] = o_mn[r, None].load() * alpha[r]
 
 
 @cute.jit
@@ -66,3 +77,37 @@ def finalize(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse:
             if empty:
                 o_mn[r, c] = cutlass.Float32(0.0)
         lse[r] = lse_r
+
+
+@cute.jit
+def online_softmax_step_alpha(
+    s_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor, mul: cutlass.Float32
+):
+    """`online_softmax_step` without touching O: the per-row rescale factors go to `alpha`, for a
+    caller whose O accumulator is still being written by an in-flight GEMM (apply with rescale_rows)."""
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        row = s_mn[r, None].load()
+        m_tile = quad_allreduce(
+            row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0),
+            lambda a, b: cute.arch.fmax(a, b),
+        )
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_tile)
+        # As in online_softmax_step: an all-masked row so far subtracts 0, never -inf - -inf.
+        m_safe = m_new
+        if m_new == -cutlass.Float32.inf:
+            m_safe = cutlass.Float32(0.0)
+        m_scaled = m_safe * mul
+        p = cute.math.exp2(row * mul - m_scaled, fastmath=True)
+        a = cute.math.exp2(m_old * mul - m_scaled, fastmath=True)
+        row_sum[r] = row_sum[r] * a + p.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
+        row_max[r] = m_new
+        alpha[r] = a
+        s_mn[r, None] = p
+
+
+@cute.jit
+def rescale_rows(o_mn: cute.Tensor, alpha: cute.Tensor):
+    """o[r, :] *= alpha[r]."""
+    for r in cutlass.range_constexpr(cute.size(alpha)):
+        o_mn[r, None] = o_mn[r, None].load() * alpha[r]

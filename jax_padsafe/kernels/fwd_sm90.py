@@ -1,0 +1,567 @@
+"""Hopper (sm_90a) flash-attention forward: TMA + wgmma, warp-specialised, pad-safe.
+
+Same ABI as `fwd_sm80.FlashFwdSm80` (packed / varlen layout):
+  q [total_q, N, H], k/v [total_k, K, H], o [total_q, N, H], lse [N, total_q] float32,
+  cu_seqlens_q/k int32 [B+1], seqused_q/k int32 [B].
+One CTA computes one (query tile of block_m rows, head, sequence) with 3 warpgroups:
+  * warpgroup 0 (producer; one warp issues TMA): Q once, then K and V tiles from the last visited
+    K tile down to the first into a `num_stages`-deep shared-memory ring guarded by mbarriers
+    (PipelineTmaAsync: "full" barriers with a transaction count, "empty" barriers released by the
+    consumers).  It gives most of its registers away (setmaxnreg).
+  * warpgroups 1 and 2 (consumers, block_m / 2 query rows each): S = Q K^T with wgmma (both operands
+    in shared memory), masking + online softmax in registers, O += P V with wgmma (P from registers).
+    With `intra_wg_overlap` the QK^T of tile n-1 is issued before the P V of tile n, so the softmax
+    of one tile runs while the tensor cores work on the next.
+
+Pad-safety under TMA.  TMA zero-fills only outside the whole tensor; rows of a tile past a
+sequence's valid length (gaps, seqused, the next sequence in the packed layout) arrive with whatever
+memory holds (NaN, Inf, ...):
+  * K rows past k_len only produce score columns j >= k_len; the visibility mask replaces every
+    such column by -inf with a select (never a multiplication), so their values never matter;
+  * V rows past k_len would meet P = 0 in P V, and 0 * NaN = NaN: the consumers overwrite them with
+    zeros in shared memory before the P V GEMM of the partial tile (then fence.proxy.async so the
+    async proxy of wgmma sees the generic-proxy stores, and a warpgroup barrier);
+  * Q rows past q_len only produce output rows that are never written (O and lse stay at the zeros
+    the FFI handler writes; rows are independent in both GEMMs and in the softmax).
+O is staged through shared memory and written with 16-byte stores predicated per row, so a partial
+tile never touches the rows of a neighbouring sequence.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+import cuda.bindings.driver as cuda
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from . import bounds, masking, softmax, tiles
+
+LOG2_E = math.log2(math.e)
+
+# Named barrier ids (0 is __syncthreads).
+_BAR_CONSUMERS = 1  # both consumer warpgroups (256 threads)
+_BAR_WG_BASE = 2  # + consumer warpgroup index: one consumer warpgroup (128 threads)
+_BAR_SCHED_BASE = 4  # + consumer warpgroup index: GEMM issue turn of that warpgroup (ping-pong)
+
+
+class FlashFwdSm90:
+    def __init__(
+        self,
+        dtype,
+        head_dim: int,
+        block_m: int,
+        block_n: int,
+        num_stages: int,
+        has_softcap: bool,
+        intra_wg_overlap: bool = True,
+        pingpong: bool = False,
+    ):
+        assert head_dim % 64 == 0 and block_m == 128
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.block_m = block_m
+        self.block_n = block_n
+        self.num_stages = num_stages
+        self.has_softcap = has_softcap
+        self.intra_wg_overlap = intra_wg_overlap
+        # Ping-pong: the two consumer warpgroups take turns issuing their GEMMs, so the softmax of one
+        # runs while the tensor cores work for the other (needs intra_wg_overlap's loop structure).
+        # Off by default: measured 1.5-7% slower on top of the intra-warpgroup overlap (H100, hd128,
+        # benchmarks/NOTES_sm90.md).
+        self.pingpong = pingpong and intra_wg_overlap
+        self.num_consumer_wg = 2
+        self.num_threads = 128 * (1 + self.num_consumer_wg)
+        self.num_consumer_threads = 128 * self.num_consumer_wg
+        self.producer_regs = 24
+        self.consumer_regs = 240
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_q: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        dt = self.dtype
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, HD), dt
+        )
+        sQ_layout = cute.tile_to_shape(atom, (BM, HD), order=(0, 1))
+        sKV_layout = cute.tile_to_shape(atom, (BN, HD, self.num_stages), order=(0, 1, 2))
+
+        # (rows, head_dim, heads) views: one TMA box is (rows, head_dim) of one head.
+        def rows_dim_heads(t):
+            return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, rows_dim_heads(mQ), sQ_layout, (BM, HD))
+        kv_box = cute.select(sKV_layout, mode=[0, 1])
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, rows_dim_heads(mK), kv_box, (BN, HD), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, rows_dim_heads(mV), kv_box, (BN, HD), 1)
+        q_bytes = cute.size_in_bytes(dt, sQ_layout)
+        kv_bytes = cute.size_in_bytes(dt, kv_box)
+
+        tiled_mma_qk = self.make_mma_qk()
+        tiled_mma_pv = self.make_mma_pv()
+        copy_out = tiles.gmem_tiled_copy(dt, HD, self.num_consumer_threads, async_copy=False)
+
+        stages = self.num_stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+
+        grid = (
+            cute.ceil_div(max_seqlen_q, BM),
+            cute.size(mQ.shape[1]),
+            cute.size(mUsedQ.shape[0]),
+        )
+        self.kernel(
+            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mK.shape[1], mQ.shape[1],
+            score_mul, cap_mul, window_left, window_right, bottom_right,
+            sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    def make_mma_qk(self):
+        """S = Q K^T: both operands K-major in shared memory; each consumer warpgroup owns block_m / 2 rows."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, cutlass.Float32,
+            (self.num_consumer_wg, 1, 1), (self.block_m // self.num_consumer_wg, self.block_n),
+        )
+
+    def make_mma_pv(self):
+        """O += P V: P from registers, V^T MN-major in shared memory."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, cutlass.Float32,
+            (self.num_consumer_wg, 1, 1), (self.block_m // self.num_consumer_wg, self.head_dim),
+            warpgroup.OperandSource.RMEM,
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        tma_Q: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        tma_K: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        tma_V: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        num_kv_heads: cutlass.Int32,
+        num_heads: cutlass.Int32,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        copy_out: cute.TiledCopy,
+        q_bytes: cutlass.Constexpr,
+        kv_bytes: cutlass.Constexpr,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        m_block, head, batch = cute.arch.block_idx()
+        q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
+        # A query tile wholly past the valid length has nothing to write (O/lse are pre-zeroed).
+        if m_block * BM < q_len:
+            k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
+            off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
+            n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
+            head_kv = head // (num_heads // num_kv_heads)
+
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_atom_Q)
+                cpasync.prefetch_descriptor(tma_atom_K)
+                cpasync.prefetch_descriptor(tma_atom_V)
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            # One arrive per consumer warp (PipelineTmaAsync signals from lane 0 of each warp).
+            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
+            pipe_q = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=producer,
+                consumer_group=consumers, tx_count=q_bytes, defer_sync=True,
+            )
+            pipe_k = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_K.data_ptr(), num_stages=self.num_stages, producer_group=producer,
+                consumer_group=consumers, tx_count=kv_bytes, defer_sync=True,
+            )
+            pipe_v = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.num_stages, producer_group=producer,
+                consumer_group=consumers, tx_count=kv_bytes, defer_sync=True,
+            )
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+            sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.produce(
+                        tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV,
+                        pipe_q, pipe_k, pipe_v, m_block, head, head_kv, q_start, k_start, n_min, n_max,
+                    )
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume(
+                    sQ, sK, sV, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk, tiled_mma_pv, copy_out,
+                    score_mul, cap_mul, m_block, head, q_start, q_len, k_len, off, left, right, n_min, n_max,
+                )
+
+    @cute.jit
+    def produce(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        tma_Q: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        tma_K: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        tma_V: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        pipe_q,
+        pipe_k,
+        pipe_v,
+        m_block: cutlass.Int32,
+        head: cutlass.Int32,
+        head_kv: cutlass.Int32,
+        q_start: cutlass.Int32,
+        k_start: cutlass.Int32,
+        n_min: cutlass.Int32,
+        n_max: cutlass.Int32,
+    ):
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD), (m_block, 0))
+        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_K[None, None, head_kv]), (BN, HD), (None, 0))
+        gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_V[None, None, head_kv]), (BN, HD), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        n_tiles = n_max - n_min
+        # K of the first (= last in key order) tile, then Q, so the first QK^T can start early.
+        if n_tiles > 0:
+            pipe_k.producer_acquire(state)
+            cute.copy(tma_atom_K, tKgK[None, n_max - 1], tKsK[None, state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+        pipe_q.producer_acquire(state_q)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+        if cutlass.const_expr(self.intra_wg_overlap):
+            # Order of use with overlap: K[n], then K[n-1] before V[n].
+            for it in cutlass.range(n_tiles - 1, unroll=1):
+                n = n_max - 1 - it
+                state_prev = state.clone()
+                state.advance()
+                pipe_k.producer_acquire(state)
+                cute.copy(tma_atom_K, tKgK[None, n - 1], tKsK[None, state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                pipe_v.producer_acquire(state_prev)
+                cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state_prev.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state_prev))
+            if n_tiles > 0:
+                pipe_v.producer_acquire(state)
+                cute.copy(tma_atom_V, tVgV[None, n_min], tVsV[None, state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+        else:
+            for it in cutlass.range(n_tiles, unroll=1):
+                n = n_max - 1 - it
+                if it > 0:
+                    pipe_k.producer_acquire(state)
+                    cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                pipe_v.producer_acquire(state)
+                cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                state.advance()
+
+    @cute.jit
+    def consume(
+        self,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        pipe_q,
+        pipe_k,
+        pipe_v,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        copy_out: cute.TiledCopy,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        m_block: cutlass.Int32,
+        head: cutlass.Int32,
+        q_start: cutlass.Int32,
+        q_len: cutlass.Int32,
+        k_len: cutlass.Int32,
+        off: cutlass.Int32,
+        left: cutlass.Int32,
+        right: cutlass.Int32,
+        n_min: cutlass.Int32,
+        n_max: cutlass.Int32,
+    ):
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        tidx_all, _, _ = cute.arch.thread_idx()
+        tidx = tidx_all - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        m0 = m_block * BM
+        raw_scores = not self.has_softcap
+        mul = cutlass.Float32(1.0)
+        if cutlass.const_expr(raw_scores):
+            mul = score_mul
+
+        # The wgmma accumulate flag is set once here, never inside staged control flow (a value set in a
+        # loop or branch body cannot be used after it): the first k-block of S = Q K^T uses a second
+        # TiledMma object that overwrites, every other GEMM accumulates.
+        tiled_mma_qk0 = self.make_mma_qk()
+        tiled_mma_qk0.set(warpgroup.Field.ACCUMULATE, False)
+        tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        # Transposed view of V, (head_dim, block_n, stages), the MN-major B operand of P V.
+        sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
+        # Operand descriptors are per warpgroup, accumulators per thread.
+        wg_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_pv = tiled_mma_pv.get_slice(wg * 128)
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BM, HD)))
+        acc_O.fill(0.0)
+        s_shape = thr_qk.partition_shape_C((BM, BN))
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((BM, BN)))
+        cS_mn = masking.acc_mn_view_sm90(tScS)
+        o_mn = masking.acc_mn_view_sm90(acc_O)
+
+        n_rows = cute.size(o_mn, mode=[0])
+        # Epilogue partitions, derived before the main loop sets the GEMMs' accumulate flag.
+        cO_mn = masking.acc_mn_view_sm90(thr_pv.partition_C(cute.make_identity_tensor((BM, HD))))
+        copy_r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma_pv)
+        thr_r2s = copy_r2s.get_slice(tidx)
+        row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        pipe_q.consumer_wait(state_q)
+
+        n_tiles = n_max - n_min
+        # P in the input dtype: one register buffer, viewed as the A operand of the P V wgmma.
+        rP = cute.make_rmem_tensor(s_shape, self.dtype)
+        tOrP = cute.make_tensor(rP.iterator, self._c_to_a_layout(rP.layout))
+        if cutlass.const_expr(self.intra_wg_overlap):
+            alpha = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            if n_tiles > 0:
+                # Prologue: S and P of the first tile (acc_O is still zero: no rescale needed).
+                pipe_k.consumer_wait(state)
+                acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                self.gemm_qk(tiled_mma_qk0, tiled_mma_qk, acc_S, tSrQ, tSrK, state.index)
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(state)
+                s_mn = self.transform_and_mask(acc_S, cS_mn, score_mul, cap_mul, n_max - 1, m_block, q_len,
+                                               k_len, off, left, right)
+                softmax.online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul)
+                rP.store(acc_S.load().to(self.dtype))
+                if cutlass.const_expr(self.pingpong):
+                    # The first warpgroup takes the first turn.
+                    if wg == 0:
+                        cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_BASE, number_of_threads=256)
+                for it in cutlass.range(n_tiles - 1, unroll=1):
+                    n_cur = n_max - 2 - it
+                    state_v = state.clone()
+                    state.advance()
+                    pipe_k.consumer_wait(state)
+                    acc_S2 = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                    if cutlass.const_expr(self.pingpong):
+                        # Both tiles resident (and V made safe) before this warpgroup takes its turn.
+                        pipe_v.consumer_wait(state_v)
+                        self.zero_partial_v(sV, state_v.index, n_cur + 1, k_len, wg, tidx)
+                        cute.arch.barrier(barrier_id=_BAR_SCHED_BASE + wg, number_of_threads=256)
+                        self.gemm_qk(tiled_mma_qk0, tiled_mma_qk, acc_S2, tSrQ, tSrK, state.index)
+                        self.gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, state_v.index)
+                        cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_BASE + 1 - wg, number_of_threads=256)
+                    else:
+                        self.gemm_qk(tiled_mma_qk0, tiled_mma_qk, acc_S2, tSrQ, tSrK, state.index)
+                        pipe_v.consumer_wait(state_v)
+                        self.zero_partial_v(sV, state_v.index, n_cur + 1, k_len, wg, tidx)
+                        self.gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, state_v.index)
+                    warpgroup.wait_group(1)
+                    pipe_k.consumer_release(state)
+                    # Softmax of tile n_cur while P V of tile n_cur + 1 runs; acc_O (being written by
+                    # that GEMM) and P are updated only after it completes.
+                    s_mn2 = self.transform_and_mask(acc_S2, cS_mn, score_mul, cap_mul, n_cur, m_block, q_len,
+                                                    k_len, off, left, right)
+                    softmax.online_softmax_step_alpha(s_mn2, row_max, row_sum, alpha, mul)
+                    warpgroup.wait_group(0)
+                    pipe_v.consumer_release(state_v)
+                    softmax.rescale_rows(o_mn, alpha)
+                    rP.store(acc_S2.load().to(self.dtype))
+                pipe_v.consumer_wait(state)
+                self.zero_partial_v(sV, state.index, n_min, k_len, wg, tidx)
+                self.gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, state.index)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(state)
+        else:
+            for it in cutlass.range(n_tiles, unroll=1):
+                n_cur = n_max - 1 - it
+                pipe_k.consumer_wait(state)
+                acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                self.gemm_qk(tiled_mma_qk0, tiled_mma_qk, acc_S, tSrQ, tSrK, state.index)
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(state)
+                s_mn = self.transform_and_mask(acc_S, cS_mn, score_mul, cap_mul, n_cur, m_block, q_len,
+                                               k_len, off, left, right)
+                softmax.online_softmax_step(s_mn, o_mn, row_max, row_sum, mul)
+                rP.store(acc_S.load().to(self.dtype))
+                pipe_v.consumer_wait(state)
+                self.zero_partial_v(sV, state.index, n_cur, k_len, wg, tidx)
+                self.gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, state.index)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(state)
+                state.advance()
+
+        # ---- epilogue
+        lse_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        softmax.finalize(o_mn, row_max, row_sum, lse_rows, mul)
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(n_rows):
+                i = m0 + cO_mn[r, 0][0]
+                if i < q_len:
+                    mLSE[head, q_start + i] = lse_rows[r]
+
+        # O: registers -> shared (sQ, once every consumer's GEMMs are done with it) -> global, valid rows only.
+        cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        cute.copy(copy_r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sQ))
+        cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
+        gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (BM, HD), (m_block, 0))
+        thr_out = copy_out.get_slice(tidx)
+        tOsO = thr_out.partition_S(sQ)
+        tOgO = thr_out.partition_D(gO)
+        tOcO = thr_out.partition_D(cute.make_identity_tensor((BM, HD)))
+        tOrO = cute.make_fragment_like(tOgO, self.dtype)
+        cute.copy(copy_out, tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            if m0 + tOcO[0, m, 0][0] < q_len:
+                cute.copy(copy_out, tOrO[None, m, None], tOgO[None, m, None])
+
+    # ---------------------------------------------------------------- pieces
+    @cute.jit
+    def gemm_qk(self, mma_first: cute.TiledMma, mma_acc: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor,
+                tSrK: cute.Tensor, stage: cutlass.Int32):
+        """Issue S = Q K^T (the first k-block overwrites acc) for one K stage; the caller waits."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            mma = mma_first if k == 0 else mma_acc
+            cute.gemm(mma, acc, tSrQ[None, None, k], tSrK[None, None, k, stage], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def gemm_pv(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, rP: cute.Tensor, tOrVt: cute.Tensor,
+                stage: cutlass.Int32):
+        """Issue O += P V for one V stage (acc_O starts at zero); the caller waits."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(rP, mode=[2])):
+            cute.gemm(tiled_mma, acc, rP[None, None, k], tOrVt[None, None, k, stage], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def zero_partial_v(self, sV: cute.Tensor, stage: cutlass.Int32, n_block: cutlass.Int32, k_len: cutlass.Int32,
+                       wg: cutlass.Int32, tidx: cutlass.Int32):
+        """Zero the rows of V stage `stage` (holding K tile n_block) at or past k_len.
+
+        Both consumer warpgroups write the same zeros (benign); each makes its own stores visible to
+        the async proxy (wgmma) and waits for its own 128 threads before issuing its P V GEMM."""
+        BN, HD = self.block_n, self.head_dim
+        n_valid = k_len - n_block * BN
+        if n_valid < BN:
+            zero_copy = tiles.gmem_tiled_copy(self.dtype, HD, 128, async_copy=False)
+            thr = zero_copy.get_slice(tidx % 128)
+            tZsV = thr.partition_D(sV[None, None, stage])
+            tZcV = thr.partition_D(cute.make_identity_tensor((BN, HD)))
+            for m in cutlass.range_constexpr(cute.size(tZsV.shape[1])):
+                if tZcV[0, m, 0][0] >= n_valid:
+                    tZsV[None, m, None].fill(0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=_BAR_WG_BASE + wg, number_of_threads=128)
+
+    @cute.jit
+    def transform_and_mask(self, acc_S: cute.Tensor, cS_mn: cute.Tensor, score_mul: cutlass.Float32,
+                           cap_mul: cutlass.Float32, n_block: cutlass.Int32, m_block: cutlass.Int32,
+                           q_len: cutlass.Int32, k_len: cutlass.Int32, off: cutlass.Int32, left: cutlass.Int32,
+                           right: cutlass.Int32):
+        BM, BN = self.block_m, self.block_n
+        if cutlass.const_expr(self.has_softcap):
+            acc_S.store(cute.math.tanh(acc_S.load() * score_mul, fastmath=False) * cap_mul)
+        s_mn = masking.acc_mn_view_sm90(acc_S)
+        if bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right):
+            masking.apply_visibility_mask(s_mn, cS_mn, m_block * BM, n_block * BN, k_len, off, left, right)
+        return s_mn
+
+    @staticmethod
+    def _c_to_a_layout(lay):
+        """wgmma C fragment ((2, 2, BN/8), M, N) -> register A fragment ((2, 2, 2), M, (N, BN/16)) of the
+        next GEMM: an A k-block of 16 columns is two consecutive 8-column blocks of C."""
+        s0, d0 = lay.shape[0], lay.stride[0]
+        return cute.make_layout(
+            ((s0[0], s0[1], 2), lay.shape[1], (lay.shape[2], s0[2] // 2)),
+            stride=((d0[0], d0[1], d0[2]), lay.stride[1], (lay.stride[2], 2 * d0[2])),
+        )
