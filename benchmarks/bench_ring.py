@@ -6,7 +6,9 @@ For one long sequence (default 32k tokens, bf16, 16 heads, head dim 128) it time
   ``implementation="xla"``, i.e. the same per-block code the ring runs; ``--one-impl none`` lets
   the library pick the GPU kernel for the forward where it applies),
 * ``ring``: :func:`jax_padsafe.sharding.ring_attention` with the sequence split over P devices,
-  ``contiguous`` and (causal only) the load-balanced ``zigzag`` layout,
+  ``contiguous`` and (causal only) the load-balanced ``zigzag`` layout; its chunk pairs run on the
+  GPU kernels where they express them (``--ring-impl none``, the default) or on the pure-JAX
+  blocks (``--ring-impl xla``). Compare kernel rings with ``--one-impl none``.
 
 forward and forward+backward, causal and not. It reports TFLOP/s of the whole ring, TFLOP/s per
 device and the scaling efficiency ``(ring TFLOP/s / P) / one-device TFLOP/s``.
@@ -58,6 +60,9 @@ def parse_args(argv=None):
   ap.add_argument("--causal", default="false,true")
   ap.add_argument("--one-impl", default="xla", choices=("xla", "none"),
                   help="implementation of the single-device baseline")
+  ap.add_argument("--ring-impl", default="none", choices=("xla", "none"),
+                  help="implementation of the ring's chunk pairs (none: the GPU kernels where they "
+                       "express a pair, else pure JAX)")
   ap.add_argument("--skip-one", action="store_true", help="no single-device baseline (too big)")
   ap.add_argument("--iters", type=int, default=3)
   ap.add_argument("--rounds", type=int, default=3)
@@ -138,7 +143,8 @@ def main(argv=None):
       flops = fwd_flops * (3.5 if mode == "fwd_bwd" else 1.0)
       wrap = with_grad if mode == "fwd_bwd" else fwd_only
       row = dict(device=devices[0].device_kind, devices=num, batch=b, seq=t, heads=n, kv_heads=kh,
-                 head_dim=h, dtype=dtype.name, causal=causal, mode=mode)
+                 head_dim=h, dtype=dtype.name, causal=causal, mode=mode, one_impl=a.one_impl,
+                 ring_impl=a.ring_impl)
       if not a.skip_one:
         impl = None if a.one_impl == "none" else "xla"
         one = jax.jit(wrap(lambda q, k, v: jax_padsafe.dot_product_attention(
@@ -153,7 +159,7 @@ def main(argv=None):
       for layout in (("contiguous", "zigzag") if causal else ("contiguous",)):
         ring = jax.jit(wrap(lambda q, k, v, layout=layout: jps.ring_attention(
             q, k, v, mesh=mesh, axis_name="seq", layout=layout, is_causal=causal,
-            block_k=a.block_k)))
+            block_k=a.block_k, implementation=None if a.ring_impl == "none" else "xla")))
         try:
           # Layout permutation is data preparation: done once, outside the timed region.
           prep = (lambda x: jps.zigzag_permute(x, num)) if layout == "zigzag" else (lambda x: x)

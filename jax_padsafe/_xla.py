@@ -36,8 +36,25 @@ _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def _einsum(spec, a, b):
-  return jnp.einsum(spec, a, b, precision=_HIGHEST, preferred_element_type=_F32)
+def _einsum(spec, a, b, like=None):
+  """float32 einsum at full precision. ``like``: an array whose sharding the result takes when
+  the mesh has Explicit axes and the contraction runs over a sharded axis (MQA's dK/dV sum over
+  head-sharded query heads), where JAX will not guess the output sharding."""
+  kw = {}
+  if like is not None and _explicit_sharding(like) is not None:
+    kw["out_sharding"] = _explicit_sharding(like)
+  return jnp.einsum(spec, a, b, precision=_HIGHEST, preferred_element_type=_F32, **kw)
+
+
+def _explicit_sharding(x):
+  """The sharding in ``x``'s type on a mesh with Explicit axes, else None."""
+  typeof = getattr(jax, "typeof", None)
+  sharding = getattr(typeof(x), "sharding", None) if typeof is not None else None
+  mesh = getattr(sharding, "mesh", None)
+  explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+  if mesh is None or explicit is None or explicit not in tuple(getattr(mesh, "axis_types", ())):
+    return None
+  return sharding
 
 
 # --------------------------------------------------------------------------------------------------
@@ -156,10 +173,13 @@ def forward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos
     acc = acc * alpha[..., None] + _einsum("bkgts,bskh->bkgth", p, blk["v"].astype(_F32))
     return (m_new, l, acc), None
 
+  # The carries are derived from qg so that they carry its sharding: on meshes with Explicit axes
+  # (jax.set_mesh) a scan carry must keep one sharding type from its initial value to its update.
+  zeros = jnp.zeros_like(jnp.moveaxis(qg[..., 0], 1, -1))           # [B, K, G, T]
   init = (
-      jnp.full((b, num_kv_heads, g, t), -jnp.inf, _F32),
-      jnp.zeros((b, num_kv_heads, g, t), _F32),
-      jnp.zeros((b, num_kv_heads, g, t, hv), _F32),
+      jnp.full_like(zeros, -jnp.inf),
+      zeros,
+      zeros[..., None] + jnp.zeros((hv,), _F32),                     # [B, K, G, T, Hv]
   )
   (m, l, acc), _ = lax.scan(step, init, xs)
 
@@ -203,7 +223,7 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
   def step(dq, blk):
     s, vis, tanh_s = _block_logits(spec, qg, q_seg, q_pos, {**blk, **whole})
     p = jnp.where(vis, jnp.exp(s - lse_safe[..., None]), _F32(0))
-    dv_blk = _einsum("bkgts,btkgh->bskh", p, dog)
+    dv_blk = _einsum("bkgts,btkgh->bskh", p, dog, like=blk["v"])
     dp = _einsum("btkgh,bskh->bkgts", dog, blk["v"].astype(_F32))
     ds = jnp.where(vis, p * (dp - delta[..., None]), _F32(0))  # d loss / d (capped logit + bias)
     dbias_blk = None
@@ -213,10 +233,10 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
       ds = ds * (1 - tanh_s * tanh_s)
     ds = ds * _F32(spec.scale)
     dq = dq + _einsum("bkgts,bskh->btkgh", ds, blk["k"].astype(_F32))
-    dk_blk = _einsum("bkgts,btkgh->bskh", ds, qg)
+    dk_blk = _einsum("bkgts,btkgh->bskh", ds, qg, like=blk["k"])
     return dq, (dk_blk, dv_blk, dbias_blk)
 
-  dq0 = jnp.zeros(qg.shape, _F32)
+  dq0 = jnp.zeros_like(qg)  # keeps qg's sharding (scan carries on Explicit meshes)
   dq, (dk, dv, dbias) = lax.scan(step, dq0, xs)
 
   def unblock(x):  # [nblk, B, bk, K, H] -> [B, S, K, H]

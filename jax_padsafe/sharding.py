@@ -29,7 +29,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jax_padsafe import _backends
 from jax_padsafe import _masking
+from jax_padsafe import _packing
+from jax_padsafe import _partitioning
 from jax_padsafe import _validation as V
 from jax_padsafe import _xla
 from jax_padsafe import _api
@@ -144,6 +147,8 @@ def ring_attention(
     return_lse: bool = False,
     block_k: int = 512,
     skip_masked_blocks: bool = True,
+    implementation: str | None = None,
+    max_segments: int | None = None,
 ):
   r"""Pad-safe attention with the sequence sharded over mesh axis ``axis_name`` (ring attention).
 
@@ -171,6 +176,15 @@ def ring_attention(
     query_segment_ids, key_value_segment_ids: ``[B, T]`` / ``[B, S]`` in the *layout's* order.
     skip_masked_blocks: skip (``lax.cond``) the compute of query/key chunk pairs that provably have
       no visible pair (causal, window, lengths, segment ranges); forward and backward.
+    implementation: how each query/key chunk pair is computed. ``None``: the GPU kernels where
+      they apply (CUDA, bf16/fp16, no window; per chunk pair, when its rows form runs the
+      kernels express: fully visible pairs, and causal diagonal pairs whose query and key runs
+      start at the same position), else the pure-JAX blocks. ``"xla"``: always the pure-JAX
+      blocks. ``"cute"``: like ``None`` but raises ``NotImplementedError`` when the kernels cannot
+      serve the call at all. The choice per chunk pair is made at run time from segments and
+      positions only, so it never depends on what padded memory holds.
+    max_segments: as in :func:`jax_padsafe.dot_product_attention` (runs per batch row per chunk
+      that the kernels are sized for).
     Other arguments as in :func:`jax_padsafe.dot_product_attention`.
 
   Returns:
@@ -227,8 +241,23 @@ def ring_attention(
   k_pos = jnp.broadcast_to(rows_k, (b, s)).astype(jnp.int32)
 
   spec = _api._make_spec(h, scale, is_causal, local_window_size, softcap, block_k)  # pylint: disable=protected-access
+  V.check_implementation(implementation)
+  kernel_fwd, kernel_bwd = _ring_kernels(implementation, spec, query, key)
+  max_runs = 1
+  if q_ids is not None:
+    if max_segments is not None:
+      max_runs = int(max_segments)
+    elif V.is_concrete(query_segment_ids):
+      ids = np.asarray(query_segment_ids)
+      ids = np.where(ids >= 0, ids, -1)
+      prev = np.concatenate([np.full(ids.shape[:1] + (1,), -1), ids[:, :-1]], axis=1)
+      max_runs = int(np.max(((ids >= 0) & (ids != prev)).sum(axis=1), initial=1))
+    else:
+      max_runs = _packing.DEFAULT_TRACED_MAX_RUNS
+    max_runs = max(1, min(max_runs, t // (num * nsub)))
   cfg = _RingConfig(spec=spec, mesh=mesh, axis_name=axis_name, batch_axis=batch_axis,
-                    head_axis=head_axis, nsub=nsub, skip=bool(skip_masked_blocks))
+                    head_axis=head_axis, nsub=nsub, skip=bool(skip_masked_blocks),
+                    kernel_fwd=kernel_fwd, kernel_bwd=kernel_bwd, max_runs=max_runs)
 
   # Sanitise before any arithmetic (selects): padded rows become exact zeros, and the gradient of
   # the select routes exact zeros to them.
@@ -292,6 +321,9 @@ class _RingConfig:
   head_axis: object
   nsub: int
   skip: bool
+  kernel_fwd: bool = False  # chunk pairs may run on the GPU forward kernel
+  kernel_bwd: bool = False  # ... and on the backward kernels
+  max_runs: int = 1         # run slots per batch row of a chunk (see _packing)
 
   @property
   def size(self):
@@ -358,7 +390,7 @@ def _pack_chunk(k, v, k_seg, k_pos):
 
 def _unpack_chunk(kv):
   kvf, kvi = kv
-  return kvf[0].astype(_F32), kvf[1].astype(_F32), kvi[0], kvi[1]
+  return kvf[0], kvf[1], kvi[0], kvi[1]
 
 
 def _may_see(spec, q_seg, q_pos, k_seg, k_pos):
@@ -411,8 +443,7 @@ def _merge(o_acc, lse_acc, o_blk, lse_blk):
 def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
   spec, nsub = cfg.spec, cfg.nsub
   dtype = q.dtype
-  q32 = q.astype(_F32)
-  qs = list(zip(_split(q32, nsub, 1), _split(q_seg, nsub, 1), _split(q_pos, nsub, 1)))
+  qs = list(zip(_split(q, nsub, 1), _split(q_seg, nsub, 1), _split(q_pos, nsub, 1)))
   o_acc = [jnp.zeros(qa.shape[:3] + (v.shape[-1],), _F32) for qa, _, _ in qs]
   lse_acc = [jnp.full((qa.shape[0], qa.shape[2], qa.shape[1]), -jnp.inf, _F32) for qa, _, _ in qs]
 
@@ -428,7 +459,7 @@ def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
       for kb, vb, ksb, kpb in chunks:
 
         def compute(o_a, lse_a, qa=qa, qsa=qsa, qpa=qpa, kb=kb, vb=vb, ksb=ksb, kpb=kpb):
-          o_b, lse_b = _xla.forward(spec, qa, kb, vb, None, None, qsa, ksb, qpa, kpb)
+          o_b, lse_b = _block_forward(cfg, qa, kb, vb, qsa, ksb, qpa, kpb)
           # Padded query rows report lse 0: for the merge they saw nothing.
           lse_b = jnp.where((qsa >= 0)[:, None, :], lse_b, _F32(-jnp.inf))
           return _merge(o_a, lse_a, o_b.astype(_F32), lse_b)
@@ -448,11 +479,10 @@ def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
 
 def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
   spec, nsub = cfg.spec, cfg.nsub
-  q32 = q.astype(_F32)
-  qs = list(zip(_split(q32, nsub, 1), _split(q_seg, nsub, 1), _split(q_pos, nsub, 1),
+  qs = list(zip(_split(q, nsub, 1), _split(q_seg, nsub, 1), _split(q_pos, nsub, 1),
                 _split(o, nsub, 1), _split(lse, nsub, 2), _split(do, nsub, 1),
                 _split(dlse, nsub, 2)))
-  dq = [jnp.zeros(qa.shape, _F32) for qa, *_ in qs]
+  dq = [jnp.zeros(qa.shape, _F32) for qa, *_ in qs]  # fp32 accumulators (dq, dk, dv)
 
   kv = _pack_chunk(k, v, k_seg, k_pos)
   dkv = None  # [2, ...] fp32 dK/dV of the chunk currently held, received from the previous device
@@ -470,9 +500,8 @@ def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
 
         def compute(dq_a, dk_b, dv_b, qa=qa, qsa=qsa, qpa=qpa, oa=oa, la=la, doa=doa, dla=dla,
                     kb=kb, vb=vb, ksb=ksb, kpb=kpb):
-          g_q, g_k, g_v, _ = _xla.backward(spec, qa, kb, vb, None, None, qsa, ksb, qpa, kpb,
-                                           oa, la, doa, dla)
-          return dq_a + g_q, dk_b + g_k, dv_b + g_v
+          g_q, g_k, g_v = _block_backward(cfg, qa, kb, vb, qsa, ksb, qpa, kpb, oa, la, doa, dla)
+          return dq_a + g_q.astype(_F32), dk_b + g_k.astype(_F32), dv_b + g_v.astype(_F32)
 
         if cfg.skip:
           dq[a], dk_b, dv_b = lax.cond(_may_see(spec, qsa, qpa, ksb, kpb), compute,
@@ -492,3 +521,115 @@ def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
 
   dq = jnp.concatenate(dq, axis=1) if nsub > 1 else dq[0]
   return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# One query/key chunk pair: the GPU kernels where they express it exactly, else pure JAX
+# --------------------------------------------------------------------------------------------------
+
+def _ring_kernels(implementation, spec, query, key):
+  """(forward, backward) chunk pairs may use the kernels; raises for "cute" when they cannot."""
+  if implementation == "xla":
+    return False, False
+  reason = _backends.kernel_unsupported_reason(spec, query, key, bias=None, mask=None)
+  if reason is None and spec.has_window:
+    reason = ("a local window on the ring: the chunk pairs' position offsets are not expressible "
+              "by the kernels")
+  if reason is not None:
+    if implementation == "cute":
+      raise NotImplementedError(f'ring_attention(implementation="cute") cannot run this call: '
+                                f"{reason}. Use implementation=None to fall back to pure JAX.")
+    return False, False
+  return True, _backends._backward_kernel_ops(spec, query, key) is not None  # pylint: disable=protected-access
+
+
+_PURE_JAX, _KERNEL_FULL, _KERNEL_CAUSAL = 0, 1, 2
+
+
+def _block_route(cfg, q_seg, k_seg, q_pos, k_pos):
+  """``(branch, runs)`` for one chunk pair, from segments and positions only.
+
+  The kernels see the pair as runs (``_packing``). Without a causal mask they serve it whenever
+  the runs describe it exactly. With one they serve a pair whose valid keys all precede its valid
+  queries as a fully visible pair (non-causal kernel), and a diagonal pair whose query and key runs
+  start at the same position with the causal kernel; anything else runs on the pure-JAX block.
+  """
+  runs, exact = _packing.runs_from_segments(q_seg, k_seg, q_pos, k_pos, max_runs=cfg.max_runs,
+                                            positional=False, bottom_right=False)
+  if not cfg.spec.causal:
+    return jnp.where(exact, _KERNEL_FULL, _PURE_JAX), runs
+  _, exact_causal = _packing.runs_from_segments(q_seg, k_seg, q_pos, k_pos, max_runs=cfg.max_runs,
+                                                positional=True, bottom_right=False)
+  big = jnp.int32(_BIG)
+  kmax = jnp.max(jnp.where(k_seg >= 0, k_pos, -big))
+  qmin = jnp.min(jnp.where(q_seg >= 0, q_pos, big))
+  branch = jnp.where(exact & (kmax <= qmin), _KERNEL_FULL,
+                     jnp.where(exact_causal, _KERNEL_CAUSAL, _PURE_JAX))
+  return branch, runs
+
+
+def _kernel_static(cfg, causal, tq, tk):
+  spec = dataclasses.replace(cfg.spec, causal=causal, bottom_right=False, max_seqlen_q=tq,
+                             max_seqlen_k=tk)
+  return _backends._kernel_static_args(spec)  # pylint: disable=protected-access
+
+
+def _block_forward(cfg, qa, kb, vb, qsa, ksb, qpa, kpb):
+  """``(o float32, lse)`` of one chunk pair (lse 0 in padded query rows, -inf where none seen)."""
+  spec = cfg.spec
+
+  def pure_jax(qa, kb, vb):
+    o, lse = _xla.forward(spec, qa.astype(_F32), kb.astype(_F32), vb.astype(_F32), None, None,
+                          qsa, ksb, qpa, kpb)
+    return o.astype(_F32), lse
+
+  if not cfg.kernel_fwd:
+    return pure_jax(qa, kb, vb)
+  from jax_padsafe._cute import ops  # pylint: disable=g-import-not-at-top
+  fwd = _partitioning.packed_to_runs(ops.flash_forward)
+
+  def on_cuda(qa, kb, vb):
+    branch, runs = _block_route(cfg, qsa, ksb, qpa, kpb)
+
+    def kernel(causal):
+      def run(qa, kb, vb):
+        o, lse = fwd(qa, kb, vb, *runs, **_kernel_static(cfg, causal, qa.shape[1], kb.shape[1]))
+        return o.astype(_F32), lse
+      return run
+
+    return lax.switch(branch, [pure_jax, kernel(False), kernel(True)], qa, kb, vb)
+
+  return lax.platform_dependent(qa, kb, vb, cuda=on_cuda, default=pure_jax)
+
+
+def _block_backward(cfg, qa, kb, vb, qsa, ksb, qpa, kpb, oa, la, doa, dla):
+  """``(dq, dk, dv)`` of one chunk pair given the ring's final ``o``/``lse`` of the query chunk."""
+  spec = cfg.spec
+
+  def pure_jax(qa, kb, vb, oa, la, doa, dla):
+    g = _xla.backward(spec, qa.astype(_F32), kb.astype(_F32), vb.astype(_F32), None, None, qsa,
+                      ksb, qpa, kpb, oa, la, doa, dla)
+    return tuple(x.astype(_F32) for x in g[:3])
+
+  operands = (qa, kb, vb, oa, la, doa, dla)
+  if not cfg.kernel_bwd:
+    return pure_jax(*operands)
+  from jax_padsafe._cute import bwd_ops  # pylint: disable=g-import-not-at-top
+  bwd = _partitioning.packed_backward_to_runs(bwd_ops.flash_backward)
+
+  def on_cuda(qa, kb, vb, oa, la, doa, dla):
+    branch, runs = _block_route(cfg, qsa, ksb, qpa, kpb)
+
+    def kernel(causal):
+      def run(qa, kb, vb, oa, la, doa, dla):
+        # With the ring's final lse (and Delta from the final o), each pair's P and dS are the
+        # pair's share of the full softmax's, so the partial gradients just add up.
+        g = bwd(qa, kb, vb, oa.astype(qa.dtype), la, doa.astype(qa.dtype), dla.astype(_F32),
+                *runs, deterministic=spec.deterministic,
+                **_kernel_static(cfg, causal, qa.shape[1], kb.shape[1]))
+        return tuple(x.astype(_F32) for x in g)
+      return run
+
+    return lax.switch(branch, [pure_jax, kernel(False), kernel(True)], *operands)
+
+  return lax.platform_dependent(*operands, cuda=on_cuda, default=pure_jax)

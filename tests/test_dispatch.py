@@ -187,3 +187,28 @@ def test_cross_attention_segments_need_matching_positions_when_causal(kernels_bu
     f = lambda q, k, v: jax_padsafe.dot_product_attention(
         q, k, v, query_segment_ids=q_ids, key_value_segment_ids=k_ids, is_causal=causal)
     assert (TARGET in _targets(_lowered(f, q, k, v))) == ok
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_chunk_pairs_lower_to_kernels(kernels_built, causal):
+  """Ring attention on bf16 lowers its chunk pairs to both kernels for CUDA (with the pure-JAX
+  block as the run-time alternative for pairs the kernels cannot express); "xla" never does."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jax_padsafe import sharding  # pylint: disable=g-import-not-at-top
+  kinds = getattr(jax.sharding, "AxisType", None)
+  mesh = jax.make_mesh((2,), ("seq",), devices=jax.devices()[:2],
+                       **({"axis_types": (kinds.Auto,)} if kinds else {}))
+  x = jax.ShapeDtypeStruct((2, 32, 4, 64), jnp.bfloat16,
+                           sharding=jax.sharding.NamedSharding(mesh, P(None, "seq")))
+
+  def loss(impl):
+    return lambda q, k, v: jnp.sum(sharding.ring_attention(
+        q, k, v, mesh=mesh, axis_name="seq", is_causal=causal, implementation=impl,
+        layout="zigzag" if causal else "contiguous").astype(jnp.float32))
+
+  targets = _targets(_lowered(jax.grad(loss(None), (0, 1, 2)), x, x, x))
+  assert TARGET in targets and "jax_padsafe_bwd" in targets
+  assert not _targets(_lowered(jax.grad(loss("xla"), (0, 1, 2)), x, x, x))
+  with pytest.raises(NotImplementedError, match="window"):
+    _lowered(lambda q, k, v: sharding.ring_attention(
+        q, k, v, mesh=mesh, axis_name="seq", local_window_size=4, implementation="cute"), x, x, x)

@@ -177,6 +177,39 @@ def test_head_sharded_varlen():
       helpers.assert_bitwise_equal(a, b, f"{name} with {poison} in the padding")
 
 
+@pytest.mark.parametrize("heads", [(8, 2), (4, 1)], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("implementation", [None, "xla"], ids=["default", "xla"])
+def test_explicit_mesh_under_set_mesh(heads, implementation):
+  """jax.make_mesh's default (Explicit axes) with jax.set_mesh, as JAX's sharding-in-types guide
+  does it: a batch- and head-sharded training step traces (the pure-JAX path's scan carries keep
+  their sharding type; MQA's dK/dV reduction over sharded heads is given its output sharding) and
+  matches the unsharded step."""
+  if not hasattr(jax, "set_mesh"):
+    pytest.skip("jax.set_mesh not available")
+  n, kh = heads
+  rng = np.random.default_rng(n + kh)
+  mesh = make_mesh((2, 2), ("data", "model"), explicit=True)
+  q = rng.standard_normal((4, 24, n, 16)).astype(np.float32)
+  k = rng.standard_normal((4, 24, kh, 16)).astype(np.float32)
+  v = rng.standard_normal((4, 24, kh, 16)).astype(np.float32)
+  lens = jnp.array([24, 3, 17, 0], jnp.int32)
+
+  def loss(q, k, v):
+    o = jax_padsafe.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lens,
+                                          implementation=implementation)
+    return jnp.sum(o * o)
+
+  step = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+  expected = step(q, k, v)
+  kv_spec = P("data", None, "model" if kh % 2 == 0 else None, None)
+  with jax.set_mesh(mesh):
+    args = (place(q, mesh, P("data", None, "model", None)), place(k, mesh, kv_spec),
+            place(v, mesh, kv_spec))
+    got = step(*args)
+  for a, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------------
 # custom_partitioning mechanism for opaque forwards (stand-in for the FFI kernel)
 # --------------------------------------------------------------------------------------------------
