@@ -148,6 +148,9 @@ ffi::Error FwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
     const JpsFwdVariant &c = kJpsFwdVariants[i];
     if (c.arch != arch || c.dtype != dtype || c.head_dim != H || c.softcap != cap) continue;
     if (c.family == 1 && !allow_sm90) continue;
+    // The sm90 kernel numbers its query tiles linearly in grid.x (ceil(max_seqlen_q / block_m) * N * B
+    // blocks), which must stay below 2**31; the SM80-class kernel's 3-D grid has no such limit.
+    if (c.family == 1 && (int64_t(max_seqlen_q) + c.block_m - 1) / c.block_m * N * B >= (int64_t(1) << 31) - 1) continue;
     if (!var || c.family > var->family) var = &c;
   }
   if (!var)

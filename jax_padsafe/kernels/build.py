@@ -34,7 +34,7 @@ def _sm90_options():
     for item in os.environ.get("JPS_SM90_OPTS", "").split(","):
         if item.strip():
             key, val = item.split("=")
-            opts[key.strip()] = bool(int(val))
+            opts[key.strip()] = int(val) if key.strip() in ("max_tiles_per_cta", "multi_tile_min_tiles") else bool(int(val))
     return opts
 
 

@@ -58,8 +58,10 @@ class FlashFwdSm90:
         has_softcap: bool,
         intra_wg_overlap: bool = True,
         pingpong: bool = False,
+        max_tiles_per_cta: int = 1,
+        multi_tile_min_tiles: int = 264,
     ):
-        assert head_dim % 64 == 0 and block_m == 128
+        assert head_dim % 32 == 0 and block_m == 128
         self.dtype = dtype
         self.head_dim = head_dim
         self.block_m = block_m
@@ -75,6 +77,19 @@ class FlashFwdSm90:
         self.num_consumer_wg = 2
         self.num_threads = 128 * (1 + self.num_consumer_wg)
         self.num_consumer_threads = 128 * self.num_consumer_wg
+        # Several query tiles per CTA (strided over the grid), so the next tile's K/V (and, with a separate
+        # O staging buffer, Q) load while the current tile's epilogue runs, and the launch, pipeline fill
+        # and epilogue latency are paid once per CTA instead of once per tile.  Default 1: with 4 the
+        # H100 gained 0-4% (benchmarks/NOTES_sm90.md) but that path (tiles_per_cta > 1) has not passed
+        # check_forward on a GPU yet (the check's problems all get 1 tile per CTA; run it with
+        # JPS_SM90_OPTS="max_tiles_per_cta=4,multi_tile_min_tiles=1" before enabling it).
+        self.max_tiles_per_cta = max_tiles_per_cta
+        # Tiles per CTA = clamp(total tiles // multi_tile_min_tiles, 1, max_tiles_per_cta): one CTA-wave
+        # of 132 SMs x 2 per extra tile (a host-side performance choice; the device code is the same).
+        self.multi_tile_min_tiles = multi_tile_min_tiles
+        elem = dtype.width // 8
+        smem_qkvo = elem * (2 * block_m * head_dim + 2 * num_stages * block_n * head_dim)
+        self.separate_o = smem_qkvo + 2048 <= 227 * 1024
         self.producer_regs = 24
         self.consumer_regs = 240
 
@@ -133,15 +148,24 @@ class FlashFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout) if self.separate_o else 0], 1024]
 
-        grid = (
-            cute.ceil_div(max_seqlen_q, BM),
-            cute.size(mQ.shape[1]),
-            cute.size(mUsedQ.shape[0]),
-        )
+        # Linear tile index: m-block fastest, then head, then sequence.  Each CTA takes tiles
+        # blockIdx.x + j * gridDim.x, j < tiles_per_cta; several per CTA only when there are enough
+        # tiles for >= 2 waves of 132 SMs (H100 SXM / H200) per tile-per-CTA (a performance choice only).
+        n_mb = cute.ceil_div(max_seqlen_q, BM)
+        num_heads = cute.size(mQ.shape[1])
+        batch = cute.size(mUsedQ.shape[0])
+        total = n_mb * num_heads * batch
+        if cutlass.const_expr(self.max_tiles_per_cta > 1):
+            tiles_per_cta = cutlass.max(cutlass.min(total // self.multi_tile_min_tiles, self.max_tiles_per_cta), 1)
+            grid = (cute.ceil_div(total, tiles_per_cta), 1, 1)
+        else:
+            tiles_per_cta = cutlass.Int32(1)
+            grid = (total, 1, 1)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mK.shape[1], mQ.shape[1],
+            mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mK.shape[1], mQ.shape[1], n_mb, batch, tiles_per_cta,
             score_mul, cap_mul, window_left, window_right, bottom_right,
             sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage,
         ).launch(
@@ -185,6 +209,9 @@ class FlashFwdSm90:
         mUsedK: cute.Tensor,
         num_kv_heads: cutlass.Int32,
         num_heads: cutlass.Int32,
+        n_mb: cutlass.Int32,
+        batch_size: cutlass.Int32,
+        tiles_per_cta: cutlass.Int32,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         window_left: cutlass.Int32,
@@ -199,59 +226,84 @@ class FlashFwdSm90:
         kv_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
     ):
-        BM, BN, HD = self.block_m, self.block_n, self.head_dim
-        m_block, head, batch = cute.arch.block_idx()
-        q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
-        # A query tile wholly past the valid length has nothing to write (O/lse are pre-zeroed).
-        if m_block * BM < q_len:
-            k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
-            off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
-            n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
-            head_kv = head // (num_heads // num_kv_heads)
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
 
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # One arrive per consumer warp (PipelineTmaAsync signals from lane 0 of each warp).
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=q_bytes, defer_sync=True,
+        )
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_K.data_ptr(), num_stages=self.num_stages, producer_group=producer,
+            consumer_group=consumers, tx_count=kv_bytes, defer_sync=True,
+        )
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.num_stages, producer_group=producer,
+            consumer_group=consumers, tx_count=kv_bytes, defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sO = sQ
+        if cutlass.const_expr(self.separate_o):
+            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sched = (n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
+                 window_left, window_right, bottom_right)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                cpasync.prefetch_descriptor(tma_atom_Q)
-                cpasync.prefetch_descriptor(tma_atom_K)
-                cpasync.prefetch_descriptor(tma_atom_V)
+                self.produce(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV,
+                             pipe_q, pipe_k, pipe_v, sched)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk, tiled_mma_pv, copy_out,
+                         score_mul, cap_mul, sched)
 
-            smem = cutlass.utils.SmemAllocator()
-            storage = smem.allocate(SharedStorage)
-            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            # One arrive per consumer warp (PipelineTmaAsync signals from lane 0 of each warp).
-            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
-            pipe_q = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=producer,
-                consumer_group=consumers, tx_count=q_bytes, defer_sync=True,
-            )
-            pipe_k = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_K.data_ptr(), num_stages=self.num_stages, producer_group=producer,
-                consumer_group=consumers, tx_count=kv_bytes, defer_sync=True,
-            )
-            pipe_v = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.num_stages, producer_group=producer,
-                consumer_group=consumers, tx_count=kv_bytes, defer_sync=True,
-            )
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
-
-            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-            sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-            sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx == 0:
-                    self.produce(
-                        tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV,
-                        pipe_q, pipe_k, pipe_v, m_block, head, head_kv, q_start, k_start, n_min, n_max,
-                    )
-            else:
-                cute.arch.setmaxregister_increase(self.consumer_regs)
-                self.consume(
-                    sQ, sK, sV, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk, tiled_mma_pv, copy_out,
-                    score_mul, cap_mul, m_block, head, q_start, q_len, k_len, off, left, right, n_min, n_max,
-                )
+    @cute.jit
+    def tile_info(self, j: cutlass.Int32, sched):
+        """(present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min, n_max)
+        of this CTA's j-th tile; present is False for a tile past the grid or wholly past its sequence's
+        valid length (nothing to compute or write: O/lse are pre-zeroed).  Producer and consumers derive
+        the same sequence of tiles from it."""
+        BM, BN = self.block_m, self.block_n
+        (n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
+         window_left, window_right, bottom_right) = sched
+        bid, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        # Snake order: even j walk the tiles forward, odd j backward, so with the m-block fastest in the
+        # linear index a CTA's causal tiles pair a heavy m-block with a light one (equal work per CTA when
+        # gridDim is a multiple of the m-block count), while the CTAs running at one time still share
+        # the same heads' K/V in L2.
+        lin = bid + j * gdim
+        if cutlass.const_expr(self.max_tiles_per_cta > 1):
+            if j % 2 == 1:
+                lin = (j + 1) * gdim - 1 - bid
+        m_block = lin % n_mb
+        rest = lin // n_mb
+        head = rest % num_heads
+        batch = cutlass.min(rest // num_heads, batch_size - 1)
+        q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
+        k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
+        present = cutlass.Boolean(False)
+        if lin < n_mb * num_heads * batch_size:
+            if m_block * BM < q_len:
+                present = cutlass.Boolean(True)
+        off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
+        n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
+        head_kv = head // (num_heads // num_kv_heads)
+        return present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min, n_max
 
     @cute.jit
     def produce(
@@ -268,6 +320,35 @@ class FlashFwdSm90:
         pipe_q,
         pipe_k,
         pipe_v,
+        sched,
+    ):
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for j in cutlass.range(sched[4], unroll=1):
+            (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
+             n_max) = self.tile_info(j, sched)
+            if present:
+                state_q, state = self.produce_tile(
+                    tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+                    state_q, state, m_block, head, head_kv, q_start, k_start, n_min, n_max)
+
+    @cute.jit
+    def produce_tile(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        tma_Q: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        tma_K: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        tma_V: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        pipe_q,
+        pipe_k,
+        pipe_v,
+        state_q,
+        state,
         m_block: cutlass.Int32,
         head: cutlass.Int32,
         head_kv: cutlass.Int32,
@@ -289,8 +370,6 @@ class FlashFwdSm90:
         tVsV, tVgV = cpasync.tma_partition(
             tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
-        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         n_tiles = n_max - n_min
         # K of the first (= last in key order) tile, then Q, so the first QK^T can start early.
         if n_tiles > 0:
@@ -299,6 +378,7 @@ class FlashFwdSm90:
                       tma_bar_ptr=pipe_k.producer_get_barrier(state))
         pipe_q.producer_acquire(state_q)
         cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+        state_q.advance()
         if cutlass.const_expr(self.intra_wg_overlap):
             # Order of use with overlap: K[n], then K[n-1] before V[n].
             for it in cutlass.range(n_tiles - 1, unroll=1):
@@ -315,6 +395,7 @@ class FlashFwdSm90:
                 pipe_v.producer_acquire(state)
                 cute.copy(tma_atom_V, tVgV[None, n_min], tVsV[None, state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                state.advance()
         else:
             for it in cutlass.range(n_tiles, unroll=1):
                 n = n_max - 1 - it
@@ -326,6 +407,7 @@ class FlashFwdSm90:
                 cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(state))
                 state.advance()
+        return state_q, state
 
     @cute.jit
     def consume(
@@ -333,6 +415,7 @@ class FlashFwdSm90:
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
+        sO: cute.Tensor,
         pipe_q,
         pipe_k,
         pipe_v,
@@ -343,22 +426,12 @@ class FlashFwdSm90:
         copy_out: cute.TiledCopy,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
-        m_block: cutlass.Int32,
-        head: cutlass.Int32,
-        q_start: cutlass.Int32,
-        q_len: cutlass.Int32,
-        k_len: cutlass.Int32,
-        off: cutlass.Int32,
-        left: cutlass.Int32,
-        right: cutlass.Int32,
-        n_min: cutlass.Int32,
-        n_max: cutlass.Int32,
+        sched,
     ):
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         tidx_all, _, _ = cute.arch.thread_idx()
         tidx = tidx_all - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        m0 = m_block * BM
         raw_scores = not self.has_softcap
         mul = cutlass.Float32(1.0)
         if cutlass.const_expr(raw_scores):
@@ -382,7 +455,6 @@ class FlashFwdSm90:
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BM, HD)))
-        acc_O.fill(0.0)
         s_shape = thr_qk.partition_shape_C((BM, BN))
         tScS = thr_qk.partition_C(cute.make_identity_tensor((BM, BN)))
         cS_mn = masking.acc_mn_view_sm90(tScS)
@@ -395,19 +467,40 @@ class FlashFwdSm90:
         thr_r2s = copy_r2s.get_slice(tidx)
         row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
         row_sum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        row_max.fill(-cutlass.Float32.inf)
-        row_sum.fill(0.0)
 
-        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        pipe_q.consumer_wait(state_q)
-
-        n_tiles = n_max - n_min
         # P in the input dtype: one register buffer, viewed as the A operand of the P V wgmma.
         rP = cute.make_rmem_tensor(s_shape, self.dtype)
         tOrP = cute.make_tensor(rP.iterator, self._c_to_a_layout(rP.layout))
+        alpha = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for j in cutlass.range(sched[4], unroll=1):
+            (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
+             n_max) = self.tile_info(j, sched)
+            if present:
+                state_q, state = self.consume_tile(
+                    sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
+                    copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
+                    tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg,
+                    m_block, head, q_start, q_len, k_len, off, left, right, n_min, n_max)
+
+    @cute.jit
+    def consume_tile(
+        self, sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
+        copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
+        tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg,
+        m_block, head, q_start, q_len, k_len, off, left, right, n_min, n_max,
+    ):
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        m0 = m_block * BM
+        s_shape = rP.shape
+        n_rows = cute.size(row_max)
+        acc_O.fill(0.0)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+        pipe_q.consumer_wait(state_q)
+        n_tiles = n_max - n_min
         if cutlass.const_expr(self.intra_wg_overlap):
-            alpha = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
             if n_tiles > 0:
                 # Prologue: S and P of the first tile (acc_O is still zero: no rescale needed).
                 pipe_k.consumer_wait(state)
@@ -458,6 +551,7 @@ class FlashFwdSm90:
                 self.gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, state.index)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(state)
+                state.advance()
         else:
             for it in cutlass.range(n_tiles, unroll=1):
                 n_cur = n_max - 1 - it
@@ -477,6 +571,10 @@ class FlashFwdSm90:
                 pipe_v.consumer_release(state)
                 state.advance()
 
+        if cutlass.const_expr(self.separate_o):
+            # Every GEMM of this tile is complete: the producer may load the next tile's Q now.
+            pipe_q.consumer_release(state_q)
+
         # ---- epilogue
         lse_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
         softmax.finalize(o_mn, row_max, row_sum, lse_rows, mul)
@@ -486,22 +584,30 @@ class FlashFwdSm90:
                 if i < q_len:
                     mLSE[head, q_start + i] = lse_rows[r]
 
-        # O: registers -> shared (sQ, once every consumer's GEMMs are done with it) -> global, valid rows only.
+        # O: registers -> shared (sO: its own buffer, or sQ) -> global, valid rows only.  The first barrier
+        # orders this tile's writes after the previous tile's reads of sO and, when sO is sQ, after every
+        # consumer's GEMMs of this tile.
         cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        cute.copy(copy_r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sQ))
+        cute.copy(copy_r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
         cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
         gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (BM, HD), (m_block, 0))
         thr_out = copy_out.get_slice(tidx)
-        tOsO = thr_out.partition_S(sQ)
+        tOsO = thr_out.partition_S(sO)
         tOgO = thr_out.partition_D(gO)
         tOcO = thr_out.partition_D(cute.make_identity_tensor((BM, HD)))
         tOrO = cute.make_fragment_like(tOgO, self.dtype)
         cute.copy(copy_out, tOsO, tOrO)
+        if cutlass.const_expr(not self.separate_o):
+            # sQ (= sO) is read out: the producer may load the next tile's Q.
+            cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
+            pipe_q.consumer_release(state_q)
+        state_q.advance()
         for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
             if m0 + tOcO[0, m, 0][0] < q_len:
                 cute.copy(copy_out, tOrO[None, m, None], tOgO[None, m, None])
+        return state_q, state
 
     # ---------------------------------------------------------------- pieces
     @cute.jit

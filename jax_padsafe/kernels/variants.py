@@ -22,7 +22,8 @@ SOFTCAP = (False, True)
 TILES = {64: (128, 64, 128), 96: (128, 64, 128), 128: (128, 64, 128), 192: (64, 64, 128), 256: (64, 64, 128)}
 
 # sm90 family: (block_m, block_n, K/V pipeline stages) per head dim; block_m = 2 consumer warpgroups x 64 rows.
-SM90_TILES = {128: (128, 128, 2)}
+# Shared memory: Q block_m x hd + 2 stages x (K + V) block_n x hd, at most 227 KB (hd256: 225 KB).
+SM90_TILES = {64: (128, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192: (128, 112, 2), 256: (128, 80, 2)}
 
 # Codes shared with ffi/ (see ffi/jps_fwd.cc): dtype codes and arch codes.
 DTYPE_CODE = {"bf16": 0, "fp16": 1}
