@@ -3,7 +3,8 @@
 Same ABI as `fwd_sm80.FlashFwdSm80` (packed / varlen layout):
   q [total_q, N, H], k/v [total_k, K, H], o [total_q, N, H], lse [N, total_q] float32,
   cu_seqlens_q/k int32 [B+1], seqused_q/k int32 [B].
-One CTA computes one (query tile of block_m rows, head, sequence) with 3 warpgroups:
+A CTA computes query tiles of block_m rows of one (head, sequence) each (grid.x enumerates the tiles
+linearly, m-block fastest; one tile per CTA by default, see max_tiles_per_cta) with 3 warpgroups:
   * warpgroup 0 (producer; one warp issues TMA): Q once, then K and V tiles from the last visited
     K tile down to the first into a `num_stages`-deep shared-memory ring guarded by mbarriers
     (PipelineTmaAsync: "full" barriers with a transaction count, "empty" barriers released by the
