@@ -22,6 +22,8 @@ from . import variants as V
 BWD_HEAD_DIMS = (64, 96, 128)
 # (block_m, block_n, num_threads) of the dK/dV kernel and of the dQ kernel.  Each warp owns 16 rows of
 # the accumulators (dK and dV: 16 x HD each; dQ: 16 x HD), which live in registers.
+# H100, 2026-11-22 (benchmarks/RESULTS.md, double-buffered kernels): 8-warp tiles dkdv=64x128x256 were
+# 6-10% slower end to end, dq=128x64x256 equal within noise, so 4 warps stay the default.
 BWD_TILES = {
     64: ((64, 64, 128), (64, 64, 128)),
     96: ((64, 64, 128), (64, 64, 128)),

@@ -165,6 +165,8 @@ class BwdDKDV(_BwdBase):
         class SharedStorage:
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sQ1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sdO1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
 
@@ -224,29 +226,28 @@ class BwdDKDV(_BwdBase):
 
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(SharedStorage)
-            sQ = storage.sQ.get_tensor(sQ_layout)
-            sdO = storage.sdO.get_tensor(sQ_layout)
             sK = storage.sK.get_tensor(sK_layout)
             sV = storage.sV.get_tensor(sK_layout)
-            sQt = _transposed(sQ, BM, HD)
-            sdOt = _transposed(sdO, BM, HD)
+            # Two stages of Q / dO: tile it+1 is loaded (cp.async) while tile it is computed.
+            sQs = [storage.sQ.get_tensor(sQ_layout), storage.sQ1.get_tensor(sQ_layout)]
+            sdOs = [storage.sdO.get_tensor(sQ_layout), storage.sdO1.get_tensor(sQ_layout)]
 
             thr_in = copy_in.get_slice(tidx)
             tKsK = thr_in.partition_D(sK)
             tVsV = thr_in.partition_D(sV)
-            tQsQ = thr_in.partition_D(sQ)
-            tdOsdO = thr_in.partition_D(sdO)
             tKcK = thr_in.partition_S(cute.make_identity_tensor((BN, HD)))
             tQcQ = thr_in.partition_S(cute.make_identity_tensor((BM, HD)))
+            tQsQ = [thr_in.partition_D(x) for x in sQs]
+            tdOsdO = [thr_in.partition_D(x) for x in sdOs]
 
             thr_mma = tiled_mma.get_slice(tidx)
             # GEMM operands: S^T = K Q^T, dP^T = V dO^T (A from smem), dV += P^T dO, dK += dS^T Q (B = X^T).
             tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK))
-            tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
+            tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQs[0]))
             tPrV = thr_mma.make_fragment_A(thr_mma.partition_A(sV))
-            tPrdO = thr_mma.make_fragment_B(thr_mma.partition_B(sdO))
-            tVrdOt = thr_mma.make_fragment_B(thr_mma.partition_B(sdOt))
-            tKrQt = thr_mma.make_fragment_B(thr_mma.partition_B(sQt))
+            tPrdO = thr_mma.make_fragment_B(thr_mma.partition_B(sdOs[0]))
+            tVrdOt = thr_mma.make_fragment_B(thr_mma.partition_B(_transposed(sdOs[0], BM, HD)))
+            tKrQt = thr_mma.make_fragment_B(thr_mma.partition_B(_transposed(sQs[0], BM, HD)))
             acc_dK = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, HD)), cutlass.Float32)
             acc_dV = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, HD)), cutlass.Float32)
             acc_dK.fill(0.0)
@@ -258,10 +259,11 @@ class BwdDKDV(_BwdBase):
             sbt = copy_bt.get_slice(tidx)
             tSsK, tSrK_v = sa.partition_S(sK), sa.retile(tSrK)
             tPsV, tPrV_v = sa.partition_S(sV), sa.retile(tPrV)
-            tSsQ, tSrQ_v = sb.partition_S(sQ), sb.retile(tSrQ)
-            tPsdO, tPrdO_v = sb.partition_S(sdO), sb.retile(tPrdO)
-            tVsdOt, tVrdOt_v = sbt.partition_S(sdOt), sbt.retile(tVrdOt)
-            tKsQt, tKrQt_v = sbt.partition_S(sQt), sbt.retile(tKrQt)
+            tSrQ_v, tPrdO_v, tVrdOt_v, tKrQt_v = sb.retile(tSrQ), sb.retile(tPrdO), sbt.retile(tVrdOt), sbt.retile(tKrQt)
+            tSsQ = [sb.partition_S(x) for x in sQs]
+            tPsdO = [sb.partition_S(x) for x in sdOs]
+            tVsdOt = [sbt.partition_S(_transposed(x, BM, HD)) for x in sdOs]
+            tKsQt = [sbt.partition_S(_transposed(x, BM, HD)) for x in sQs]
 
             # (key, query) coordinates of this thread's S^T fragment.
             cS_mn = masking.acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BN, BM))))
@@ -269,54 +271,59 @@ class BwdDKDV(_BwdBase):
             lse2 = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
             delta = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
 
-            gK_thr = thr_in.partition_S(gK)
-            gV_thr = thr_in.partition_S(gV)
-            tiles.load_rows_zero_fill(copy_in, gK_thr, tKsK, tKcK, n0, k_len)
-            tiles.load_rows_zero_fill(copy_in, gV_thr, tVsV, tKcK, n0, k_len)
+            n_m = m_max - m_min
+            total = group * n_m
+            tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gK), tKsK, tKcK, n0, k_len)
+            tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gV), tVsV, tKcK, n0, k_len)
+            if total > 0:
+                self._load_q_do(mQ, mdO, copy_in, thr_in, tQsQ[0], tdOsdO[0], tQcQ, head_kv * group, m_min,
+                                q_start, q_len)
             cute.arch.cp_async_commit_group()
 
-            n_m = m_max - m_min
-            for it in cutlass.range(group * n_m, unroll=1):
-                head = head_kv * group + it // n_m
-                m_block = m_min + it % n_m
-                m0 = m_block * BM
-                gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, head, None]), (BM, HD), (m_block, 0))
-                gdO = cute.local_tile(cute.domain_offset((q_start, 0), mdO[None, head, None]), (BM, HD), (m_block, 0))
-                cute.arch.barrier()  # every warp is done with the previous sQ / sdO
-                tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gQ), tQsQ, tQcQ, m0, q_len)
-                cute.arch.cp_async_commit_group()
-                tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gdO), tdOsdO, tQcQ, m0, q_len)
-                cute.arch.cp_async_commit_group()
-                bc.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 1)
+            for pair in cutlass.range((total + 1) // 2, unroll=1):
+                for par in cutlass.range_constexpr(2):
+                    it = pair * 2 + par
+                    if it < total:
+                        head = head_kv * group + it // n_m
+                        m_block = m_min + it % n_m
+                        m0 = m_block * BM
+                        cute.arch.barrier()  # every warp is done with the other stage (iteration it - 1)
+                        if it + 1 < total:
+                            self._load_q_do(mQ, mdO, copy_in, thr_in, tQsQ[1 - par], tdOsdO[1 - par], tQcQ,
+                                            head_kv * group + (it + 1) // n_m, m_min + (it + 1) % n_m, q_start, q_len)
+                            cute.arch.cp_async_commit_group()
+                        bc.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 1)
+                        if it + 1 < total:
+                            cute.arch.cp_async_wait_group(1)
+                        else:
+                            cute.arch.cp_async_wait_group(0)
+                        cute.arch.barrier()
 
-                acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
-                acc_S.fill(0.0)
-                cute.arch.cp_async_wait_group(1)
-                cute.arch.barrier()
-                bc.gemm_ss(tiled_mma, acc_S, copy_a, tSsK, tSrK_v, tSrK, copy_b, tSsQ, tSrQ_v, tSrQ)
-                acc_T = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
-                need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
-                s_mn = masking.acc_mn_view(acc_S)
-                bc.probs_and_dscale(s_mn, masking.acc_mn_view(acc_T), cS_mn, lse2, m0, n0, k_len, off, left, right,
-                                    score_mul, cap_mul, need, 1, self.has_softcap)
+                        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
+                        acc_S.fill(0.0)
+                        bc.gemm_ss(tiled_mma, acc_S, copy_a, tSsK, tSrK_v, tSrK, copy_b, tSsQ[par], tSrQ_v, tSrQ)
+                        acc_T = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
+                        need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
+                        s_mn = masking.acc_mn_view(acc_S)
+                        bc.probs_and_dscale(s_mn, masking.acc_mn_view(acc_T), cS_mn, lse2, m0, n0, k_len, off, left,
+                                            right, score_mul, cap_mul, need, 1, self.has_softcap)
 
-                acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
-                acc_dP.fill(0.0)
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.barrier()
-                bc.gemm_ss(tiled_mma, acc_dP, copy_a, tPsV, tPrV_v, tPrV, copy_b, tPsdO, tPrdO_v, tPrdO)
+                        acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
+                        acc_dP.fill(0.0)
+                        bc.gemm_ss(tiled_mma, acc_dP, copy_a, tPsV, tPrV_v, tPrV, copy_b, tPsdO[par], tPrdO_v, tPrdO)
 
-                # dV += P^T dO
-                rP = cute.make_fragment_like(acc_S, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
-                bc.gemm_rs(tiled_mma, acc_dV, cute.make_tensor(rP.iterator, bc.c_to_a_layout(rP.layout)),
-                           copy_bt, tVsdOt, tVrdOt_v, tVrdOt)
-                # dS^T = P^T (dP^T - Delta) [* (1 - tanh^2)];  dK += dS^T Q
-                bc.dscores(s_mn, masking.acc_mn_view(acc_dP), masking.acc_mn_view(acc_T), delta, 1, self.has_softcap)
-                rdS = cute.make_fragment_like(acc_dP, self.dtype)
-                rdS.store(acc_dP.load().to(self.dtype))
-                bc.gemm_rs(tiled_mma, acc_dK, cute.make_tensor(rdS.iterator, bc.c_to_a_layout(rdS.layout)),
-                           copy_bt, tKsQt, tKrQt_v, tKrQt)
+                        # dV += P^T dO
+                        rP = cute.make_fragment_like(acc_S, self.dtype)
+                        rP.store(acc_S.load().to(self.dtype))
+                        bc.gemm_rs(tiled_mma, acc_dV, cute.make_tensor(rP.iterator, bc.c_to_a_layout(rP.layout)),
+                                   copy_bt, tVsdOt[par], tVrdOt_v, tVrdOt)
+                        # dS^T = P^T (dP^T - Delta) [* (1 - tanh^2)];  dK += dS^T Q
+                        bc.dscores(s_mn, masking.acc_mn_view(acc_dP), masking.acc_mn_view(acc_T), delta, 1,
+                                   self.has_softcap)
+                        rdS = cute.make_fragment_like(acc_dP, self.dtype)
+                        rdS.store(acc_dP.load().to(self.dtype))
+                        bc.gemm_rs(tiled_mma, acc_dK, cute.make_tensor(rdS.iterator, bc.c_to_a_layout(rdS.layout)),
+                                   copy_bt, tKsQt[par], tKrQt_v, tKrQt)
 
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
@@ -324,6 +331,17 @@ class BwdDKDV(_BwdBase):
             gdV = cute.local_tile(cute.domain_offset((k_start, 0), mdV[None, head_kv, None]), (BN, HD), (n_block, 0))
             bc.store_rows(acc_dK, dscale, self.dtype, tiled_mma, copy_out, sK, gdK, BN, HD, n0, k_len, tidx)
             bc.store_rows(acc_dV, cutlass.Float32(1.0), self.dtype, tiled_mma, copy_out, sV, gdV, BN, HD, n0, k_len, tidx)
+
+
+    @cute.jit
+    def _load_q_do(self, mQ, mdO, copy_in, thr_in, tQsQ, tdOsdO, tQcQ, head, m_block, q_start, q_len):
+        """cp.async the (m_block, head) tiles of Q and dO into one stage; rows >= q_len are zero-filled."""
+        BM = self.block_m
+        HD = self.head_dim
+        gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, head, None]), (BM, HD), (m_block, 0))
+        gdO = cute.local_tile(cute.domain_offset((q_start, 0), mdO[None, head, None]), (BM, HD), (m_block, 0))
+        tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gQ), tQsQ, tQcQ, m_block * BM, q_len)
+        tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gdO), tdOsdO, tQcQ, m_block * BM, q_len)
 
 
 class BwdDQ(_BwdBase):
@@ -362,6 +380,8 @@ class BwdDQ(_BwdBase):
             sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sK1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
 
         copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
         copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
@@ -404,7 +424,11 @@ class BwdDQ(_BwdBase):
         BN = self.block_n
         HD = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
+        m_block_rev, head, batch = cute.arch.block_idx()
+        # Highest query tiles first: under causal / bottom-right masks they visit the most key tiles, so
+        # the long CTAs start early and the short ones fill the tail (each CTA's result is independent of
+        # the order, so this changes no bit).
+        m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         if m_block * BM < q_len:
             k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
@@ -422,15 +446,15 @@ class BwdDQ(_BwdBase):
             storage = smem.allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)
             sdO = storage.sdO.get_tensor(sQ_layout)
-            sK = storage.sK.get_tensor(sK_layout)
-            sV = storage.sV.get_tensor(sK_layout)
-            sKt = _transposed(sK, BN, HD)
+            # Two stages of K / V: tile it+1 is loaded (cp.async) while tile it is computed.
+            sKs = [storage.sK.get_tensor(sK_layout), storage.sK1.get_tensor(sK_layout)]
+            sVs = [storage.sV.get_tensor(sK_layout), storage.sV1.get_tensor(sK_layout)]
 
             thr_in = copy_in.get_slice(tidx)
             tQsQ = thr_in.partition_D(sQ)
             tdOsdO = thr_in.partition_D(sdO)
-            tKsK = thr_in.partition_D(sK)
-            tVsV = thr_in.partition_D(sV)
+            tKsK = [thr_in.partition_D(x) for x in sKs]
+            tVsV = [thr_in.partition_D(x) for x in sVs]
             tKgK = thr_in.partition_S(gK)
             tVgV = thr_in.partition_S(gV)
             tQcQ = thr_in.partition_S(cute.make_identity_tensor((BM, HD)))
@@ -438,10 +462,10 @@ class BwdDQ(_BwdBase):
 
             thr_mma = tiled_mma.get_slice(tidx)
             tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKs[0]))
             tPrdO = thr_mma.make_fragment_A(thr_mma.partition_A(sdO))
-            tPrV = thr_mma.make_fragment_B(thr_mma.partition_B(sV))
-            tQrKt = thr_mma.make_fragment_B(thr_mma.partition_B(sKt))
+            tPrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVs[0]))
+            tQrKt = thr_mma.make_fragment_B(thr_mma.partition_B(_transposed(sKs[0], BN, HD)))
             acc_dQ = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, HD)), cutlass.Float32)
             acc_dQ.fill(0.0)
 
@@ -451,9 +475,10 @@ class BwdDQ(_BwdBase):
             sbt = copy_bt.get_slice(tidx)
             tSsQ, tSrQ_v = sa.partition_S(sQ), sa.retile(tSrQ)
             tPsdO, tPrdO_v = sa.partition_S(sdO), sa.retile(tPrdO)
-            tSsK, tSrK_v = sb.partition_S(sK), sb.retile(tSrK)
-            tPsV, tPrV_v = sb.partition_S(sV), sb.retile(tPrV)
-            tQsKt, tQrKt_v = sbt.partition_S(sKt), sbt.retile(tQrKt)
+            tSrK_v, tPrV_v, tQrKt_v = sb.retile(tSrK), sb.retile(tPrV), sbt.retile(tQrKt)
+            tSsK = [sb.partition_S(x) for x in sKs]
+            tPsV = [sb.partition_S(x) for x in sVs]
+            tQsKt = [sbt.partition_S(_transposed(x, BN, HD)) for x in sKs]
 
             cS_mn = masking.acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BM, BN))))
             n_rows = cute.size(cS_mn, mode=[0])
@@ -461,40 +486,50 @@ class BwdDQ(_BwdBase):
             delta = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
             bc.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 0)
 
+            total = n_max - n_min
             tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gQ), tQsQ, tQcQ, m0, q_len)
             tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gdO), tdOsdO, tQcQ, m0, q_len)
+            if total > 0:
+                tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_max - 1], tKsK[0], tKcK, (n_max - 1) * BN, k_len)
+                tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_max - 1], tVsV[0], tKcK, (n_max - 1) * BN, k_len)
             cute.arch.cp_async_commit_group()
 
-            for it in cutlass.range(n_max - n_min, unroll=1):
-                n_block = n_max - 1 - it
-                n0 = n_block * BN
-                cute.arch.barrier()  # every warp is done with the previous sK / sV
-                tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_block], tKsK, tKcK, n0, k_len)
-                cute.arch.cp_async_commit_group()
-                tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_block], tVsV, tKcK, n0, k_len)
-                cute.arch.cp_async_commit_group()
+            for pair in cutlass.range((total + 1) // 2, unroll=1):
+                for par in cutlass.range_constexpr(2):
+                    it = pair * 2 + par
+                    if it < total:
+                        n_block = n_max - 1 - it
+                        n0 = n_block * BN
+                        cute.arch.barrier()  # every warp is done with the other stage (iteration it - 1)
+                        if it + 1 < total:
+                            tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_block - 1], tKsK[1 - par], tKcK,
+                                                      n0 - BN, k_len)
+                            tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_block - 1], tVsV[1 - par], tKcK,
+                                                      n0 - BN, k_len)
+                            cute.arch.cp_async_commit_group()
+                            cute.arch.cp_async_wait_group(1)
+                        else:
+                            cute.arch.cp_async_wait_group(0)
+                        cute.arch.barrier()
 
-                acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
-                acc_S.fill(0.0)
-                cute.arch.cp_async_wait_group(1)
-                cute.arch.barrier()
-                bc.gemm_ss(tiled_mma, acc_S, copy_a, tSsQ, tSrQ_v, tSrQ, copy_b, tSsK, tSrK_v, tSrK)
-                acc_T = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
-                need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
-                s_mn = masking.acc_mn_view(acc_S)
-                bc.probs_and_dscale(s_mn, masking.acc_mn_view(acc_T), cS_mn, lse2, m0, n0, k_len, off, left, right,
-                                    score_mul, cap_mul, need, 0, self.has_softcap)
+                        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
+                        acc_S.fill(0.0)
+                        bc.gemm_ss(tiled_mma, acc_S, copy_a, tSsQ, tSrQ_v, tSrQ, copy_b, tSsK[par], tSrK_v, tSrK)
+                        acc_T = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
+                        need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
+                        s_mn = masking.acc_mn_view(acc_S)
+                        bc.probs_and_dscale(s_mn, masking.acc_mn_view(acc_T), cS_mn, lse2, m0, n0, k_len, off, left,
+                                            right, score_mul, cap_mul, need, 0, self.has_softcap)
 
-                acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
-                acc_dP.fill(0.0)
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.barrier()
-                bc.gemm_ss(tiled_mma, acc_dP, copy_a, tPsdO, tPrdO_v, tPrdO, copy_b, tPsV, tPrV_v, tPrV)
-                bc.dscores(s_mn, masking.acc_mn_view(acc_dP), masking.acc_mn_view(acc_T), delta, 0, self.has_softcap)
-                rdS = cute.make_fragment_like(acc_dP, self.dtype)
-                rdS.store(acc_dP.load().to(self.dtype))
-                bc.gemm_rs(tiled_mma, acc_dQ, cute.make_tensor(rdS.iterator, bc.c_to_a_layout(rdS.layout)),
-                           copy_bt, tQsKt, tQrKt_v, tQrKt)
+                        acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
+                        acc_dP.fill(0.0)
+                        bc.gemm_ss(tiled_mma, acc_dP, copy_a, tPsdO, tPrdO_v, tPrdO, copy_b, tPsV[par], tPrV_v, tPrV)
+                        bc.dscores(s_mn, masking.acc_mn_view(acc_dP), masking.acc_mn_view(acc_T), delta, 0,
+                                   self.has_softcap)
+                        rdS = cute.make_fragment_like(acc_dP, self.dtype)
+                        rdS.store(acc_dP.load().to(self.dtype))
+                        bc.gemm_rs(tiled_mma, acc_dQ, cute.make_tensor(rdS.iterator, bc.c_to_a_layout(rdS.layout)),
+                                   copy_bt, tQsKt[par], tQrKt_v, tQrKt)
 
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()

@@ -9,6 +9,8 @@ memory, masking is done with selects, empty rows get O = 0 and lse = -inf.
 """
 
 import math
+import os
+from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
@@ -19,9 +21,32 @@ from . import bounds, masking, softmax, tiles
 LOG2_E = math.log2(math.e)
 
 
+# Shared memory per SM by build target (bytes usable by CTAs): sm_80 163 KB, sm_86/89/120 99 KB, sm_90/100 227 KB.
+_SMEM_PER_SM = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_120": 99 * 1024,
+                "sm_120a": 99 * 1024}
+
+
+def kv_stages(head_dim: int, block_m: int, block_n: int) -> int:
+    """K/V shared-memory stages: 2 (tile n-1 loads while tile n is computed) where two CTAs with Q plus
+    two K and two V tiles still fit one SM of the build target (CUTE_DSL_ARCH), else 1 (a second stage
+    that costs the second CTA per SM loses more latency hiding than it gains).  JPS_FWD_STAGES=1|2
+    overrides (build-time experiments)."""
+    env = os.environ.get("JPS_FWD_STAGES", "")
+    if env:
+        return int(env)
+    per_sm = _SMEM_PER_SM.get(os.environ.get("CUTE_DSL_ARCH", "sm_90a"), 227 * 1024)
+    two_stage_bytes = (block_m + 4 * block_n) * head_dim * 2 + 1024
+    return 2 if 2 * two_stage_bytes <= per_sm else 1
+
+
 class FlashFwdSm80:
-    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool):
+    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool,
+                 stages: int = None):
         assert head_dim % 32 == 0
+        if stages is None:
+            stages = kv_stages(head_dim, block_m, block_n)
+        assert stages in (1, 2)
+        self.stages = stages
         self.dtype = dtype
         self.head_dim = head_dim
         self.block_m = block_m
@@ -53,11 +78,13 @@ class FlashFwdSm80:
         sQ_layout = tiles.smem_layout(dtype, self.block_m, self.head_dim)
         sKV_layout = tiles.smem_layout(dtype, self.block_n, self.head_dim)
 
+        n_kv = cute.cosize(sKV_layout) * self.stages  # stage s of K/V starts at s * cosize
+
         @cute.struct
         class SharedStorage:
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, n_kv], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, n_kv], 1024]
 
         copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
         copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
@@ -101,7 +128,10 @@ class FlashFwdSm80:
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        m_block, head, batch = cute.arch.block_idx()
+        m_block_rev, head, batch = cute.arch.block_idx()
+        # Highest query tiles first: under causal/bottom-right masks they carry the most K tiles, so
+        # the long CTAs start early and the short ones fill the tail.
+        m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         if m_block * self.block_m < q_len:
             args = (
@@ -161,24 +191,25 @@ class FlashFwdSm80:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
-        sK = storage.sK.get_tensor(sKV_layout)
-        sV = storage.sV.get_tensor(sKV_layout)
-        sVt = cute.composition(sV, cute.make_layout((HD, BN), stride=(BN, 1)))
+        kv_stage = cute.cosize(sKV_layout)
+        sK = [cute.make_tensor(storage.sK.data_ptr() + s * kv_stage, sKV_layout) for s in range(self.stages)]
+        sV = [cute.make_tensor(storage.sV.data_ptr() + s * kv_stage, sKV_layout) for s in range(self.stages)]
+        sVt = [cute.composition(x, cute.make_layout((HD, BN), stride=(BN, 1))) for x in sV]
 
         thr_in = copy_in.get_slice(tidx)
         tQgQ = thr_in.partition_S(gQ)
         tQsQ = thr_in.partition_D(sQ)
         tKgK = thr_in.partition_S(gK)
-        tKsK = thr_in.partition_D(sK)
         tVgV = thr_in.partition_S(gV)
-        tVsV = thr_in.partition_D(sV)
+        tKsK = [thr_in.partition_D(x) for x in sK]
+        tVsV = [thr_in.partition_D(x) for x in sV]
         tQcQ = thr_in.partition_S(cute.make_identity_tensor((BM, HD)))
         tKcK = thr_in.partition_S(cute.make_identity_tensor((BN, HD)))
 
         thr_mma = tiled_mma.get_slice(tidx)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
-        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[0]))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[0]))
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, HD)), cutlass.Float32)
         acc_O.fill(0.0)
 
@@ -188,9 +219,9 @@ class FlashFwdSm80:
         sthr_v = copy_v.get_slice(tidx)
         tSsQ = sthr_q.partition_S(sQ)
         tSrQ_v = sthr_q.retile(tSrQ)
-        tSsK = sthr_k.partition_S(sK)
+        tSsK = [sthr_k.partition_S(x) for x in sK]
         tSrK_v = sthr_k.retile(tSrK)
-        tOsVt = sthr_v.partition_S(sVt)
+        tOsVt = [sthr_v.partition_S(x) for x in sVt]
         tOrVt_v = sthr_v.retile(tOrVt)
 
         # Tile-local (row, col) coordinates of this thread's score fragment.
@@ -203,57 +234,62 @@ class FlashFwdSm80:
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
 
-        # Prologue: Q and the last K tile.
-        tiles.load_rows_zero_fill(copy_in, tQgQ, tQsQ, tQcQ, m0, q_len)
-        if n_max > n_min:
-            tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_max - 1], tKsK, tKcK, (n_max - 1) * BN, k_len)
-        cute.arch.cp_async_commit_group()
+        ctx = SimpleNamespace(
+            tiled_mma=tiled_mma, thr_mma=thr_mma, copy_q=copy_q, copy_k=copy_k, copy_v=copy_v,
+            tSsQ=tSsQ, tSrQ=tSrQ, tSrQ_v=tSrQ_v, tSrK=tSrK, tSrK_v=tSrK_v, tOrVt=tOrVt, tOrVt_v=tOrVt_v,
+            acc_O=acc_O, row_max=row_max, row_sum=row_sum, cS_mn=cS_mn, score_mul=score_mul, cap_mul=cap_mul,
+            mul=mul, raw_scores=raw_scores, m_block=m_block, m0=m0, q_len=q_len, k_len=k_len, off=off,
+            left=left, right=right,
+        )
 
-        for it in cutlass.range(n_max - n_min, unroll=1):
-            n_block = n_max - 1 - it
-            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
-            acc_S.fill(0.0)
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.barrier()
-            tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_block], tVsV, tKcK, n_block * BN, k_len)
+        if cutlass.const_expr(self.stages == 1):
+            # Q and the last K tile; V(n) is loaded during S(n) = Q K(n)^T, K(n-1) during softmax and P V(n).
+            tiles.load_rows_zero_fill(copy_in, tQgQ, tQsQ, tQcQ, m0, q_len)
+            if n_max > n_min:
+                tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_max - 1], tKsK[0], tKcK, (n_max - 1) * BN, k_len)
             cute.arch.cp_async_commit_group()
-
-            # S = Q K^T
-            cute.copy(copy_q, tSsQ[None, None, 0], tSrQ_v[None, None, 0])
-            cute.copy(copy_k, tSsK[None, None, 0], tSrK_v[None, None, 0])
-            nk = cute.size(tSsQ.shape[2])
-            for k in cutlass.range_constexpr(nk):
-                if k + 1 < nk:
-                    cute.copy(copy_q, tSsQ[None, None, k + 1], tSrQ_v[None, None, k + 1])
-                    cute.copy(copy_k, tSsK[None, None, k + 1], tSrK_v[None, None, k + 1])
-                cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
-
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.barrier()
-            if n_block > n_min:
-                tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_block - 1], tKsK, tKcK, (n_block - 1) * BN, k_len)
+            for it in cutlass.range(n_max - n_min, unroll=1):
+                n_block = n_max - 1 - it
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_block], tVsV[0], tKcK, n_block * BN, k_len)
                 cute.arch.cp_async_commit_group()
-
-            # Scores: raw (scale folded into the softmax) or in the exp2 domain (scaled / soft-capped); masked.
-            s_mn = masking.acc_mn_view(acc_S)
-            if cutlass.const_expr(self.has_softcap):
-                acc_S.store(cute.math.tanh(acc_S.load() * score_mul, fastmath=False) * cap_mul)
-            elif cutlass.const_expr(not raw_scores):
-                acc_S.store(acc_S.load() * score_mul)
-            if bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right):
-                masking.apply_visibility_mask(s_mn, cS_mn, m0, n_block * BN, k_len, off, left, right)
-            softmax.online_softmax_step(s_mn, masking.acc_mn_view(acc_O), row_max, row_sum, mul)
-
-            # O += P V
-            rP = cute.make_fragment_like(acc_S, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
-            tOrP = cute.make_tensor(rP.iterator, self._c_to_a_layout(rP.layout))
-            cute.copy(copy_v, tOsVt[None, None, 0], tOrVt_v[None, None, 0])
-            nv = cute.size(tOrP.shape[2])
-            for k in cutlass.range_constexpr(nv):
-                if k + 1 < nv:
-                    cute.copy(copy_v, tOsVt[None, None, k + 1], tOrVt_v[None, None, k + 1])
-                cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
+                acc_S = self.qk(ctx, tSsK[0])
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                if n_block > n_min:
+                    tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_block - 1], tKsK[0], tKcK, (n_block - 1) * BN, k_len)
+                    cute.arch.cp_async_commit_group()
+                self.softmax_pv(ctx, acc_S, n_block, tOsVt[0])
+        else:
+            # Two K/V stages: the loads of tile n-1 fly during the whole of tile n.  One barrier per tile:
+            # after it, tile n is visible to every warp and every warp is done with tile n+1's stage,
+            # which then receives tile n-1.  The stage is a run-time index (one copy of the loop body).
+            tiles.load_rows_zero_fill(copy_in, tQgQ, tQsQ, tQcQ, m0, q_len)
+            if n_max > n_min:
+                tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_max - 1], tKsK[0], tKcK, (n_max - 1) * BN, k_len)
+                tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_max - 1], tVsV[0], tKcK, (n_max - 1) * BN, k_len)
+            cute.arch.cp_async_commit_group()
+            for it in cutlass.range(n_max - n_min, unroll=1):
+                n_block = n_max - 1 - it
+                # Stage offsets are multiples of a whole swizzled tile (>= 1 KB): tell the compiler, or
+                # it assumes 2-byte alignment and rejects the 16-byte cp.async.
+                cur = cute.assume((it % 2) * kv_stage, divby=kv_stage)
+                nxt = cute.assume(kv_stage - cur, divby=kv_stage)
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                if n_block > n_min:
+                    nb = n_block - 1
+                    sK_nxt = cute.make_tensor(storage.sK.data_ptr() + nxt, sKV_layout)
+                    sV_nxt = cute.make_tensor(storage.sV.data_ptr() + nxt, sKV_layout)
+                    tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, nb], thr_in.partition_D(sK_nxt), tKcK, nb * BN, k_len)
+                    tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, nb], thr_in.partition_D(sV_nxt), tKcK, nb * BN, k_len)
+                    cute.arch.cp_async_commit_group()
+                sK_cur = cute.make_tensor(storage.sK.data_ptr() + cur, sKV_layout)
+                sVt_cur = cute.composition(cute.make_tensor(storage.sV.data_ptr() + cur, sKV_layout),
+                                           cute.make_layout((HD, BN), stride=(BN, 1)))
+                acc_S = self.qk(ctx, sthr_k.partition_S(sK_cur))
+                self.softmax_pv(ctx, acc_S, n_block, sthr_v.partition_S(sVt_cur))
 
         # Epilogue.  Wait for every copy (also when no tile was visited) before sQ is reused.
         cute.arch.cp_async_wait_group(0)
@@ -287,6 +323,44 @@ class FlashFwdSm80:
         for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
             if m0 + tOcO[0, m, 0][0] < q_len:
                 cute.copy(copy_out, tOrO[None, m, None], tOgO[None, m, None])
+
+    @cute.jit
+    def qk(self, ctx: SimpleNamespace, tSsK: cute.Tensor):
+        """S = Q K^T for one K tile (ldmatrix of k-slice k+1 overlapped with the mma of slice k)."""
+        acc_S = cute.make_rmem_tensor(ctx.thr_mma.partition_shape_C((self.block_m, self.block_n)), cutlass.Float32)
+        acc_S.fill(0.0)
+        cute.copy(ctx.copy_q, ctx.tSsQ[None, None, 0], ctx.tSrQ_v[None, None, 0])
+        cute.copy(ctx.copy_k, tSsK[None, None, 0], ctx.tSrK_v[None, None, 0])
+        nk = cute.size(ctx.tSsQ.shape[2])
+        for k in cutlass.range_constexpr(nk):
+            if k + 1 < nk:
+                cute.copy(ctx.copy_q, ctx.tSsQ[None, None, k + 1], ctx.tSrQ_v[None, None, k + 1])
+                cute.copy(ctx.copy_k, tSsK[None, None, k + 1], ctx.tSrK_v[None, None, k + 1])
+            cute.gemm(ctx.tiled_mma, acc_S, ctx.tSrQ[None, None, k], ctx.tSrK[None, None, k], acc_S)
+        return acc_S
+
+    @cute.jit
+    def softmax_pv(self, ctx: SimpleNamespace, acc_S: cute.Tensor, n_block: cutlass.Int32, tOsVt: cute.Tensor):
+        """Scores (raw, or scaled / soft-capped), visibility mask, online softmax, O += P V."""
+        s_mn = masking.acc_mn_view(acc_S)
+        if cutlass.const_expr(self.has_softcap):
+            acc_S.store(cute.math.tanh(acc_S.load() * ctx.score_mul, fastmath=False) * ctx.cap_mul)
+        elif cutlass.const_expr(not ctx.raw_scores):
+            acc_S.store(acc_S.load() * ctx.score_mul)
+        if bounds.tile_needs_mask(n_block, ctx.m_block, self.block_m, self.block_n, ctx.q_len, ctx.k_len, ctx.off,
+                                  ctx.left, ctx.right):
+            masking.apply_visibility_mask(s_mn, ctx.cS_mn, ctx.m0, n_block * self.block_n, ctx.k_len, ctx.off,
+                                          ctx.left, ctx.right)
+        softmax.online_softmax_step(s_mn, masking.acc_mn_view(ctx.acc_O), ctx.row_max, ctx.row_sum, ctx.mul)
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        tOrP = cute.make_tensor(rP.iterator, self._c_to_a_layout(rP.layout))
+        cute.copy(ctx.copy_v, tOsVt[None, None, 0], ctx.tOrVt_v[None, None, 0])
+        nv = cute.size(tOrP.shape[2])
+        for k in cutlass.range_constexpr(nv):
+            if k + 1 < nv:
+                cute.copy(ctx.copy_v, tOsVt[None, None, k + 1], ctx.tOrVt_v[None, None, k + 1])
+            cute.gemm(ctx.tiled_mma, ctx.acc_O, tOrP[None, None, k], ctx.tOrVt[None, None, k], ctx.acc_O)
 
     def _c_to_a_layout(self, layout):
         """mma C fragment (4, MMA_M, MMA_N) -> A fragment ((4, 2), MMA_M, MMA_N / 2) for P @ V."""
