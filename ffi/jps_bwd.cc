@@ -8,6 +8,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -69,6 +70,16 @@ ffi::Error BwdInitialize(ffi::RemainingArgs, ffi::RemainingRets) {
 
 ffi::Error Invalid(const std::string &msg) { return ffi::Error::InvalidArgument("jax_padsafe_bwd: " + msg); }
 
+// JAX_PADSAFE_SM90_BWD=0 in the environment keeps the SM80-class backward on Hopper even where the library
+// has the sm90 backward family (A/B comparisons, a fallback should it misbehave); read once per process.
+bool Sm90BwdFamilyEnabled() {
+  static const bool enabled = [] {
+    const char *e = std::getenv("JAX_PADSAFE_SM90_BWD");
+    return !(e && e[0] == '0');
+  }();
+  return enabled;
+}
+
 ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                       ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> dlse,
                       ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
@@ -118,10 +129,14 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   if (ffi::Error e = BwdArch(&arch); e.failure()) return e;
   if (ffi::Error e = BwdLoad(arch); e.failure()) return e;
   const int cap = softcap > 0.0f ? 1 : 0;
+  // Prefer the Hopper family (1) where it was built for this combination, else the SM80-class one.
   const JpsBwdVariant *var = nullptr;
+  const bool allow_sm90 = Sm90BwdFamilyEnabled();
   for (int i = 0; i < kJpsNumBwdVariants; ++i) {
     const JpsBwdVariant &c = kJpsBwdVariants[i];
-    if (c.arch == arch && c.dtype == dtype && c.head_dim == H && c.softcap == cap) var = &c;
+    if (c.arch != arch || c.dtype != dtype || c.head_dim != H || c.softcap != cap) continue;
+    if (c.family == 1 && !allow_sm90) continue;
+    if (!var || c.family > var->family) var = &c;
   }
   if (!var)
     return ffi::Error(ffi::ErrorCode::kUnimplemented,

@@ -30,4 +30,5 @@ struct JpsBwdVariant {
   void *dq_module;
   JpsBwdLaunchFn dq;
   const char *name;
+  int family;  // 0: SM80-class (bwd_sm80), 1: Hopper TMA + wgmma (bwd_sm90, sm_90a only)
 };

@@ -4,8 +4,14 @@
         [--head-dims 64,128] [--softcap 0,1] [--jobs 2]
 
 Same environment overrides as build.py (JPS_ARCHS, JPS_DTYPES, JPS_HEAD_DIMS, JPS_SOFTCAP, JPS_JOBS);
-head dims default to `BWD_HEAD_DIMS` (the backward's supported set).  Per variant three kernels are
-exported (`<prefix>_pre`, `<prefix>_dkdv`, `<prefix>_dq`); then `jps_bwd_registry.h` (launch adapters +
+head dims default to `BWD_HEAD_DIMS` (the backward's supported set).  JPS_SM90_BWD=1 (--sm90-bwd 1) also
+builds the Hopper TMA + wgmma backward family (bwd_sm90: dK/dV and dQ kernels; the preprocess stays
+bwd_sm80's) for sm_90a and the head dims in `SM90_BWD_TILES`; the handler prefers it on compute
+capability 9.0 (JAX_PADSAFE_SM90_BWD=0 at run time opts out).  On by default since it passed
+tests/gpu/check_backward.py on an H100 (26/26, hd128 bf16/fp16; benchmarks/NOTES_sm90_bwd.md); JPS_SM90_BWD=0
+builds without it.  JPS_SM90_BWD_TILES="128=64x128x3,128x64x2" overrides its tiles (dK/dV, dQ:
+block_m x block_n x stages) for experiments.
+Per variant three kernels are exported (`<prefix>_pre`, `<prefix>_dkdv`, `<prefix>_dq`); then `jps_bwd_registry.h` (launch adapters +
 the table `kJpsBwdVariants`) and `bwd_objects.txt` are written, which ffi/CMakeLists.txt links in
 (ffi/jps_bwd.cc) when present.
 """
@@ -31,8 +37,24 @@ BWD_TILES = {
 }
 
 
+# sm90 family: ((block_m, block_n, stages) of the dK/dV kernel, (block_m, block_n, stages) of the dQ kernel);
+# 2 consumer warpgroups x 64 rows of the resident tile (dK/dV: keys, dQ: queries).
+SM90_BWD_TILES = {128: ((64, 128, 2), (128, 64, 2))}
+
+
+def _apply_sm90_tile_overrides():
+    """JPS_SM90_BWD_TILES="128=64x128x3,128x64x2" (head_dim=dKdV BMxBNxSTAGES,dQ BMxBNxSTAGES; ';' between
+    head dims) for tile experiments of the sm90 family."""
+    for item in os.environ.get("JPS_SM90_BWD_TILES", "").split(";"):
+        if item.strip():
+            hd, cfg = item.split("=")
+            dkdv, dq = (tuple(int(x) for x in part.split("x")) for part in cfg.split(","))
+            SM90_BWD_TILES[int(hd)] = (dkdv, dq)
+
+
 def _apply_tile_overrides():
     """JPS_BWD_TILES="dkdv=64x128x256,dq=128x64x256" (all head dims) for tile experiments."""
+    _apply_sm90_tile_overrides()
     cfg = dict(item.split("=") for item in os.environ.get("JPS_BWD_TILES", "").split(",") if item.strip())
     if cfg:
         for h in BWD_TILES:
@@ -48,14 +70,16 @@ class BwdVariant:
     dtype: str
     head_dim: int
     softcap: bool
+    family: str = "sm80"
 
     @property
     def prefix(self) -> str:
-        return f"jps_bwd_{self.arch}_{self.dtype}_hd{self.head_dim}_{'cap' if self.softcap else 'nocap'}"
+        fam = "" if self.family == "sm80" else f"{self.family}k_"
+        return f"jps_bwd_{fam}{self.arch}_{self.dtype}_hd{self.head_dim}_{'cap' if self.softcap else 'nocap'}"
 
     @property
     def tile(self):
-        return BWD_TILES[self.head_dim]
+        return SM90_BWD_TILES[self.head_dim] if self.family == "sm90" else BWD_TILES[self.head_dim]
 
 
 def _compile_one(args):
@@ -92,6 +116,12 @@ def _compile_one(args):
     pre = cute.compile(BwdPreprocess(dt, H), x3(), x3(), f2(), f2(), f2(), i1(), i1(), 0, make_fake_stream(),
                        options=opts)
     pre.export_to_c(out, p + "_pre", function_prefix=p + "_pre")
+    if variant.family == "sm90":
+        from .bwd_sm90 import BwdDKDVSm90, BwdDQSm90
+
+        # Same call arguments and exported ABI as the SM80-class kernels; the constructors take
+        # (dtype, head_dim, block_m, block_n, stages, softcap): the tile's third entry is a stage count here.
+        BwdDKDV, BwdDQ = BwdDKDVSm90, BwdDQSm90  # noqa: N806
     dkdv = cute.compile(BwdDKDV(dt, H, bm, bn, nt, variant.softcap),
                         x3(), x3(), x3(), x3(), f2(), f2(), x3(), x3(), i1(), i1(), i1(), i1(),
                         1.0, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(), options=opts)
@@ -153,10 +183,10 @@ def write_registry(out: str, built):
         body.append(
             f"  {{{V.ARCH_CODE[v.arch]}, {V.DTYPE_CODE[v.dtype]}, {v.head_dim}, {int(v.softcap)}, &{p}_load, "
             f"&{p}_pre_module, &{p}_pre_launch, &{p}_dkdv_module, &{p}_dkdv_launch, &{p}_dq_module, &{p}_dq_launch, "
-            f"\"{p}\"}},"
+            f"\"{p}\", {V.FAMILY_CODE[v.family]}}},"
         )
     if not built:
-        body.append("  {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \"none\"},")
+        body.append("  {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \"none\", 0},")
     body.append("};")
     body.append(f"static const int kJpsNumBwdVariants = {len(built)};")
     with open(os.path.join(out, "jps_bwd_registry.h"), "w") as f:
@@ -175,6 +205,8 @@ def main(argv=None):
     ap.add_argument("--dtypes", default=os.environ.get("JPS_DTYPES", ",".join(V.DTYPES)))
     ap.add_argument("--head-dims", default=os.environ.get("JPS_HEAD_DIMS", ",".join(map(str, BWD_HEAD_DIMS))))
     ap.add_argument("--softcap", default=os.environ.get("JPS_SOFTCAP", "0,1"))
+    ap.add_argument("--sm90-bwd", type=int, default=int(os.environ.get("JPS_SM90_BWD", "1")),
+                    help="1: also build the sm90 (TMA + wgmma) backward family for sm_90a")
     ap.add_argument("--out", default="build/kernels")
     ap.add_argument("--jobs", type=int, default=int(os.environ.get("JPS_JOBS", os.cpu_count() or 1)))
     a = ap.parse_args(argv)
@@ -183,6 +215,9 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     todo = [BwdVariant(ar, d, h, c) for ar in _csv(a.archs) for d in _csv(a.dtypes)
             for h in _csv(a.head_dims, int) if h in BWD_TILES for c in _csv(a.softcap, lambda x: bool(int(x)))]
+    if a.sm90_bwd and "sm_90a" in _csv(a.archs):
+        todo += [BwdVariant("sm_90a", d, h, c, "sm90") for d in _csv(a.dtypes) for h in _csv(a.head_dims, int)
+                 if h in SM90_BWD_TILES for c in _csv(a.softcap, lambda x: bool(int(x)))]
     out = os.path.abspath(a.out)
     built = []
     t0 = time.time()

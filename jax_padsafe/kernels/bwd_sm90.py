@@ -1,0 +1,628 @@
+"""Hopper (sm_90a) flash-attention backward: TMA + wgmma, warp-specialised, pad-safe, deterministic.
+
+Drop-in replacements for `bwd_sm80.BwdDKDV` / `bwd_sm80.BwdDQ` (same arguments, same exported ABI); the
+Delta preprocess stays `bwd_sm80.BwdPreprocess`.  Same two-kernel structure, no atomics: every output
+element is written by exactly one CTA after a fixed-order loop, so results are bitwise reproducible.
+
+Both kernels use 3 warpgroups: warpgroup 0 is the producer (one warp issues TMA into mbarrier-guarded
+shared-memory stages, PipelineTmaAsync; setmaxnreg down), warpgroups 1 and 2 consume (setmaxnreg up),
+each owning 64 rows of the CTA's tile.
+
+* `BwdDKDVSm90`: one CTA per (key tile of block_n, kv head, sequence).  K and V resident; Q, dO tiles of
+  block_m queries streamed for every (query head of the GQA group, query tile that sees the key tile), in
+  that fixed order.  Per step: S^T = K Q^T and dP^T = V dO^T (wgmma, both operands in shared memory),
+  P^T = exp2(S^T * scale_log2 - lse2) by select (0 where masked, where the query is padded or has
+  lse = -inf), dS^T = P^T * (dP^T - Delta) by select, dV += P^T dO and dK += dS^T Q (wgmma, A from
+  registers, B = dO^T / Q^T MN-major from shared memory).
+* `BwdDQSm90`: one CTA per (query tile of block_m, head, sequence).  Q and dO resident, K and V streamed;
+  S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K.
+
+Pad-safety under TMA (TMA zero-fills only outside the whole tensor; rows past a sequence's valid length
+inside it hold anything: NaN, Inf, the next sequence):
+  * dK/dV: Q and dO rows past q_len would meet P^T = 0 / dS^T = 0 columns in dV += P^T dO and
+    dK += dS^T Q (0 * NaN = NaN): the consumers zero them in shared memory (fence.proxy.async + barrier)
+    before any GEMM reads the stage.  K / V rows past k_len only produce S^T / dP^T rows of keys that are
+    masked by select (P^T = 0, dS^T = 0) and never written.
+  * dQ: K rows past k_len meet dS = 0 in dQ += dS K: zeroed in shared memory the same way.  V rows past
+    k_len only reach dP columns that the select drops; Q / dO rows past q_len only reach dQ rows that are
+    never written (and the lse sentinel turns their P, dS into 0 by select).
+Outputs are staged through shared memory and written with 16-byte stores predicated per row; the FFI
+handler zero-fills dq/dk/dv first, so padded rows stay exactly 0.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cuda.bindings.driver as cuda
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from . import bounds, masking, tiles
+from . import bwd_common as bc
+from . import sm90_common as sc
+
+# Named barrier ids (0 is __syncthreads).
+_BAR_CONSUMERS = 1  # both consumer warpgroups (256 threads)
+_BAR_WG_BASE = 2  # + consumer warpgroup index: one consumer warpgroup (128 threads)
+
+
+class _Sm90BwdBase:
+    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool):
+        assert head_dim % 64 == 0
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.block_m = block_m
+        self.block_n = block_n
+        self.num_stages = num_stages
+        self.has_softcap = has_softcap
+        self.num_consumer_wg = 2
+        self.num_threads = 128 * (1 + self.num_consumer_wg)
+        self.num_consumer_threads = 128 * self.num_consumer_wg
+        self.producer_regs = 24
+        self.consumer_regs = 240
+
+    def _pipes(self, storage, res_bytes, stream_bytes):
+        """(resident pipe: 1 stage, stream pipe: num_stages); the consumers arrive once per warp."""
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
+        pipe_res = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_res.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=res_bytes, defer_sync=True,
+        )
+        pipe_str = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_str.data_ptr(), num_stages=self.num_stages, producer_group=producer,
+            consumer_group=consumers, tx_count=stream_bytes, defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        return pipe_res, pipe_str
+
+
+class BwdDKDVSm90(_Sm90BwdBase):
+    """dK, dV for one key tile of block_n = 2 x 64 keys (all query heads of its GQA group)."""
+
+    def __init__(self, dtype, head_dim: int, block_m: int = 64, block_n: int = 128, num_stages: int = 2,
+                 has_softcap: bool = False):
+        super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
+        assert block_n == 128
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_k: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        dt = self.dtype
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        sQ_layout = sc.smem_layout(dt, BM, HD, self.num_stages)
+        sK_layout = sc.smem_layout(dt, BN, HD)
+        q_box = cute.select(sQ_layout, mode=[0, 1])
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mQ), q_box, (BM, HD), 1)
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mdO), q_box, (BM, HD), 1)
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mK), sK_layout, (BN, HD))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mV), sK_layout, (BN, HD))
+        q_bytes = cute.size_in_bytes(dt, q_box)
+        k_bytes = cute.size_in_bytes(dt, sK_layout)
+        # S^T / dP^T: (keys, queries), A = K / V (K-major), B = Q / dO (K-major).
+        mma_s = sc.make_mma(dt, 2, BN // 2, BM, b_major_mn=False, a_from_regs=False)
+        # dV / dK: (keys, head_dim), A = P^T / dS^T from registers, B = dO^T / Q^T (MN-major).
+        mma_kv = sc.make_mma(dt, 2, BN // 2, HD, b_major_mn=True, a_from_regs=True)
+        copy_out = tiles.gmem_tiled_copy(dt, HD, self.num_consumer_threads, async_copy=False)
+        stages = self.num_stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_res: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_str: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            # Per consumer warpgroup, double-buffered: lse2 and Delta of the step's block_m queries.
+            sStat: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BM * 2 * 2 * 2], 16]
+
+        group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
+        grid = (cute.ceil_div(max_seqlen_k, BN), cute.size(mK.shape[1]), cute.size(mUsedK.shape[0]))
+        self.kernel(
+            tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group,
+            score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
+            sQ_layout, sK_layout, mma_s, mma_kv, copy_out, q_bytes, k_bytes, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+                 min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        tma_Q: cute.Tensor,
+        tma_atom_dO: cute.CopyAtom,
+        tma_dO: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        tma_K: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        tma_V: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        group: cutlass.Int32,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        mma_s: cute.TiledMma,
+        mma_kv: cute.TiledMma,
+        copy_out: cute.TiledCopy,
+        q_bytes: cutlass.Constexpr,
+        k_bytes: cutlass.Constexpr,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_dO)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        pipe_kv, pipe_q = self._pipes(storage, 2 * k_bytes, 2 * q_bytes)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sStat = storage.sStat.get_tensor(cute.make_layout((BM, 2, 2, 2)))  # (query, lse2|Delta, parity, wg)
+
+        n_block, head_kv, batch = cute.arch.block_idx()
+        k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
+        q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
+        off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
+        m_min, m_max = bc.m_block_range(n_block, BM, BN, q_len, k_len, off, left, right)
+        n_m = m_max - m_min
+        total = group * n_m
+        n0 = n_block * BN
+        # A key tile past k_len, or one no valid query sees: dK = dV = 0 (the handler's memset); the whole
+        # CTA (producer and consumers alike) skips it.
+        if n0 < k_len and total > 0:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                    gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_K[None, None, head_kv]), (BN, HD),
+                                         (n_block, 0))
+                    gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_V[None, None, head_kv]), (BN, HD),
+                                         (n_block, 0))
+                    tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                       cute.group_modes(gK, 0, 2))
+                    tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                                       cute.group_modes(gV, 0, 2))
+                    pipe_kv.producer_acquire(state_kv)
+                    cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(state_kv))
+                    cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(state_kv))
+                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+                    for it in cutlass.range(total, unroll=1):
+                        head = head_kv * group + it // n_m
+                        m_block = m_min + it % n_m
+                        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD),
+                                             (m_block, 0))
+                        gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_dO[None, None, head]), (BM, HD),
+                                              (m_block, 0))
+                        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
+                                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                        tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, cute.make_layout(1),
+                                                           cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+                        pipe_q.producer_acquire(state)
+                        cute.copy(tma_atom_Q, tQgQ, tQsQ[None, state.index],
+                                  tma_bar_ptr=pipe_q.producer_get_barrier(state))
+                        cute.copy(tma_atom_dO, tOgO, tOsO[None, state.index],
+                                  tma_bar_ptr=pipe_q.producer_get_barrier(state))
+                        state.advance()
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume(sK, sV, sQ, sdO, sStat, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv, copy_out,
+                             score_mul, cap_mul, dscale, n_block, head_kv, group, n_m, m_min, total, q_start, q_len,
+                             k_start, k_len, off, left, right)
+
+    @cute.jit
+    def consume(self, sK, sV, sQ, sdO, sStat, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv, copy_out,
+                score_mul, cap_mul, dscale, n_block, head_kv, group, n_m, m_min, total, q_start, q_len, k_start,
+                k_len, off, left, right):
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        dt = self.dtype
+        tidx_all, _, _ = cute.arch.thread_idx()
+        tidx = tidx_all - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        n0 = n_block * BN
+
+        # Accumulate flags are fixed per TiledMma object (never set inside staged control flow): the first
+        # k-block of S^T / dP^T uses mma_s0 (overwrite), everything else accumulates.
+        mma_s0 = sc.make_mma(dt, 2, BN // 2, BM, b_major_mn=False, a_from_regs=False)
+        mma_s0.set(warpgroup.Field.ACCUMULATE, False)
+        mma_s.set(warpgroup.Field.ACCUMULATE, True)
+        mma_kv.set(warpgroup.Field.ACCUMULATE, True)
+        wg_s = mma_s.get_slice(wg * 128)
+        wg_kv = mma_kv.get_slice(wg * 128)
+        thr_s = mma_s.get_slice(tidx)
+        thr_kv = mma_kv.get_slice(tidx)
+        tSrK = wg_s.make_fragment_A(wg_s.partition_A(sK))
+        tSrV = wg_s.make_fragment_A(wg_s.partition_A(sV))
+        tSrQ = wg_s.make_fragment_B(wg_s.partition_B(sQ))
+        tSrdO = wg_s.make_fragment_B(wg_s.partition_B(sdO))
+        tKrQt = wg_kv.make_fragment_B(wg_kv.partition_B(sc.transposed(sQ)))
+        tVrdOt = wg_kv.make_fragment_B(wg_kv.partition_B(sc.transposed(sdO)))
+        acc_dK = thr_kv.make_fragment_C(thr_kv.partition_shape_C((BN, HD)))
+        acc_dV = thr_kv.make_fragment_C(thr_kv.partition_shape_C((BN, HD)))
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        s_shape = thr_s.partition_shape_C((BN, BM))
+        # (key, query) coordinates of this thread's S^T fragment (the warpgroup's 64 keys included).
+        cS_mn = masking.acc_mn_view_sm90(thr_s.partition_C(cute.make_identity_tensor((BN, BM))))
+        n_cols = cute.size(cS_mn, mode=[1])
+        lse2 = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
+        delta = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
+        rP = cute.make_rmem_tensor(s_shape, dt)
+        tPrP = cute.make_tensor(rP.iterator, sc.c_to_a_layout(rP.layout))
+        rdS = cute.make_rmem_tensor(s_shape, dt)
+        tPrdS = cute.make_tensor(rdS.iterator, sc.c_to_a_layout(rdS.layout))
+
+        # Row statistics of a step (lse2 / Delta of block_m queries) go through shared memory: each of the
+        # warpgroup's threads loads one value from global memory one step ahead (1 register instead of
+        # 2 x 16), stores it, and the fragments read them back right before use (register pressure: the
+        # dK and dV accumulators take 128 registers per thread).
+        t_wg = tidx % 128
+        stat_kind = t_wg // BM
+        stat_row = t_wg % BM
+        stat = self.stat_value(mLSE, mDelta, head_kv * group, q_start, q_len, m_min * BM + stat_row, stat_kind)
+
+        state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(state_kv)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for it in cutlass.range(total, unroll=1):
+            head = head_kv * group + it // n_m
+            m_block = m_min + it % n_m
+            m0 = m_block * BM
+            par = it % 2
+            if t_wg < 2 * BM:
+                sStat[stat_row, stat_kind, par, wg] = stat
+            cute.arch.barrier(barrier_id=_BAR_WG_BASE + wg, number_of_threads=128)
+            if it + 1 < total:
+                nxt = it + 1
+                stat = self.stat_value(mLSE, mDelta, head_kv * group + nxt // n_m, q_start, q_len,
+                                       (m_min + nxt % n_m) * BM + stat_row, stat_kind)
+            pipe_q.consumer_wait(state)
+            stage = state.index
+            if m0 + BM > q_len:
+                # Query rows past q_len: zeros before any GEMM reads the stage (0 * NaN = NaN otherwise).
+                sc.zero_rows_from(dt, BM, HD, sQ[None, None, stage], q_len - m0, tidx % 128, _BAR_WG_BASE + wg)
+                sc.zero_rows_from(dt, BM, HD, sdO[None, None, stage], q_len - m0, tidx % 128, _BAR_WG_BASE + wg)
+            acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+            sc.gemm(mma_s0, mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+            acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+            sc.gemm(mma_s0, mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True)
+            warpgroup.wait_group(1)
+            s_mn = masking.acc_mn_view_sm90(acc_S)
+            t_mn = s_mn
+            if cutlass.const_expr(self.has_softcap):
+                acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                t_mn = masking.acc_mn_view_sm90(acc_T)
+            need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
+            for x in cutlass.range_constexpr(n_cols):
+                lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
+            bc.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0, k_len, off, left, right, score_mul, cap_mul, need, 1,
+                                self.has_softcap)
+            rP.store(acc_S.load().to(dt))
+            warpgroup.wait_group(0)
+            # dV += P^T dO runs while dS^T is formed.
+            sc.gemm(mma_kv, mma_kv, acc_dV, tPrP, tVrdOt[None, None, None, stage], False)
+            for x in cutlass.range_constexpr(n_cols):
+                delta[x] = sStat[cS_mn[0, x][1], 1, par, wg]
+            bc.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 1, self.has_softcap)
+            rdS.store(acc_dP.load().to(dt))
+            sc.gemm(mma_kv, mma_kv, acc_dK, tPrdS, tKrQt[None, None, None, stage], False)
+            warpgroup.wait_group(0)
+            pipe_q.consumer_release(state)
+            state.advance()
+
+        # Epilogue: dK (times the softmax scale) and dV through sK / sV (every consumer's GEMMs are complete
+        # after the barrier), valid key rows only.
+        cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
+        gdK = cute.local_tile(cute.domain_offset((k_start, 0), mdK[None, head_kv, None]), (BN, HD), (n_block, 0))
+        gdV = cute.local_tile(cute.domain_offset((k_start, 0), mdV[None, head_kv, None]), (BN, HD), (n_block, 0))
+        sc.store_rows_via_smem(acc_dK, dscale, dt, mma_kv, copy_out, sK, gdK, BN, HD, n0, k_len, tidx,
+                               _BAR_CONSUMERS, self.num_consumer_threads)
+        sc.store_rows_via_smem(acc_dV, cutlass.Float32(1.0), dt, mma_kv, copy_out, sV, gdV, BN, HD, n0, k_len, tidx,
+                               _BAR_CONSUMERS, self.num_consumer_threads)
+
+
+    @cute.jit
+    def stat_value(self, mLSE: cute.Tensor, mDelta: cute.Tensor, head: cutlass.Int32, q_start: cutlass.Int32,
+                   q_len: cutlass.Int32, i: cutlass.Int32, kind: cutlass.Int32):
+        """kind 0: lse2 = lse * log2(e) of query i, kind 1: its Delta.  Padded queries (i >= q_len) and queries
+        with lse = -inf get the sentinel lse2 = +inf, Delta = 0 (P and dS become 0 by select)."""
+        v = cutlass.Float32(0.0)
+        if kind == 0:
+            v = cutlass.Float32.inf
+        if i < q_len:
+            lv = mLSE[head, q_start + i]
+            if lv != -cutlass.Float32.inf:
+                if kind == 0:
+                    v = lv * bc.LOG2_E
+                else:
+                    v = mDelta[head, q_start + i]
+        return v
+
+
+class BwdDQSm90(_Sm90BwdBase):
+    """dQ for one query tile of block_m = 2 x 64 queries of one head."""
+
+    def __init__(self, dtype, head_dim: int, block_m: int = 128, block_n: int = 64, num_stages: int = 2,
+                 has_softcap: bool = False):
+        super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
+        assert block_m == 128
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQ: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_q: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        dt = self.dtype
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        sQ_layout = sc.smem_layout(dt, BM, HD)
+        sK_layout = sc.smem_layout(dt, BN, HD, self.num_stages)
+        k_box = cute.select(sK_layout, mode=[0, 1])
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mQ), sQ_layout, (BM, HD))
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mdO), sQ_layout, (BM, HD))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mK), k_box, (BN, HD), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mV), k_box, (BN, HD), 1)
+        q_bytes = cute.size_in_bytes(dt, sQ_layout)
+        k_bytes = cute.size_in_bytes(dt, k_box)
+        # S / dP: (queries, keys), A = Q / dO, B = K / V (both K-major).
+        mma_s = sc.make_mma(dt, 2, BM // 2, BN, b_major_mn=False, a_from_regs=False)
+        # dQ: (queries, head_dim), A = dS from registers, B = K^T (MN-major).
+        mma_q = sc.make_mma(dt, 2, BM // 2, HD, b_major_mn=True, a_from_regs=True)
+        copy_out = tiles.gmem_tiled_copy(dt, HD, self.num_consumer_threads, async_copy=False)
+        stages = self.num_stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_res: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_str: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+
+        group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
+        grid = (cute.ceil_div(max_seqlen_q, BM), cute.size(mQ.shape[1]), cute.size(mUsedQ.shape[0]))
+        self.kernel(
+            tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, group,
+            score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
+            sQ_layout, sK_layout, mma_s, mma_q, copy_out, q_bytes, k_bytes, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+                 min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        tma_Q: cute.Tensor,
+        tma_atom_dO: cute.CopyAtom,
+        tma_dO: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        tma_K: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        tma_V: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQ: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        group: cutlass.Int32,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        mma_s: cute.TiledMma,
+        mma_q: cute.TiledMma,
+        copy_out: cute.TiledCopy,
+        q_bytes: cutlass.Constexpr,
+        k_bytes: cutlass.Constexpr,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_dO)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        pipe_q, pipe_kv = self._pipes(storage, 2 * q_bytes, 2 * k_bytes)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+
+        m_block_rev, head, batch = cute.arch.block_idx()
+        # Highest query tiles first: under causal masks they visit the most key tiles (the order of CTAs
+        # changes no bit of any result).
+        m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
+        q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
+        k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
+        off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
+        n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
+        head_kv = head // group
+        m0 = m_block * BM
+        # A query tile past q_len, or one whose queries see no key: dQ = 0 (the handler's memset).
+        if m0 < q_len and n_max > n_min:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                    gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD),
+                                         (m_block, 0))
+                    gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_dO[None, None, head]), (BM, HD),
+                                          (m_block, 0))
+                    gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_K[None, None, head_kv]), (BN, HD),
+                                         (None, 0))
+                    gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_V[None, None, head_kv]), (BN, HD),
+                                         (None, 0))
+                    tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                                       cute.group_modes(gQ, 0, 2))
+                    tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, cute.make_layout(1),
+                                                       cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+                    tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                       cute.group_modes(gK, 0, 2))
+                    tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                                       cute.group_modes(gV, 0, 2))
+                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+                    # K/V of the first (= last in key order) tile, then Q/dO.
+                    pipe_kv.producer_acquire(state)
+                    cute.copy(tma_atom_K, tKgK[None, n_max - 1], tKsK[None, state.index],
+                              tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+                    cute.copy(tma_atom_V, tVgV[None, n_max - 1], tVsV[None, state.index],
+                              tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+                    state.advance()
+                    pipe_q.producer_acquire(state_q)
+                    cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+                    cute.copy(tma_atom_dO, tOgO, tOsO, tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+                    for it in cutlass.range(n_max - n_min - 1, unroll=1):
+                        n = n_max - 2 - it
+                        pipe_kv.producer_acquire(state)
+                        cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, state.index],
+                                  tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+                        cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state.index],
+                                  tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+                        state.advance()
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
+                             score_mul, cap_mul, dscale, m_block, head, q_start, q_len, k_len, off, left, right,
+                             n_min, n_max)
+
+    @cute.jit
+    def consume(self, sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out, score_mul,
+                cap_mul, dscale, m_block, head, q_start, q_len, k_len, off, left, right, n_min, n_max):
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        dt = self.dtype
+        tidx_all, _, _ = cute.arch.thread_idx()
+        tidx = tidx_all - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        m0 = m_block * BM
+
+        mma_s0 = sc.make_mma(dt, 2, BM // 2, BN, b_major_mn=False, a_from_regs=False)
+        mma_s0.set(warpgroup.Field.ACCUMULATE, False)
+        mma_s.set(warpgroup.Field.ACCUMULATE, True)
+        mma_q.set(warpgroup.Field.ACCUMULATE, True)
+        wg_s = mma_s.get_slice(wg * 128)
+        wg_q = mma_q.get_slice(wg * 128)
+        thr_s = mma_s.get_slice(tidx)
+        thr_q = mma_q.get_slice(tidx)
+        tSrQ = wg_s.make_fragment_A(wg_s.partition_A(sQ))
+        tSrdO = wg_s.make_fragment_A(wg_s.partition_A(sdO))
+        tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
+        tSrV = wg_s.make_fragment_B(wg_s.partition_B(sV))
+        tQrKt = wg_q.make_fragment_B(wg_q.partition_B(sc.transposed(sK)))
+        acc_dQ = thr_q.make_fragment_C(thr_q.partition_shape_C((BM, HD)))
+        acc_dQ.fill(0.0)
+        s_shape = thr_s.partition_shape_C((BM, BN))
+        cS_mn = masking.acc_mn_view_sm90(thr_s.partition_C(cute.make_identity_tensor((BM, BN))))
+        n_rows = cute.size(cS_mn, mode=[0])
+        lse2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        delta = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        bc.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 0)
+        rdS = cute.make_rmem_tensor(s_shape, dt)
+        tQrdS = cute.make_tensor(rdS.iterator, sc.c_to_a_layout(rdS.layout))
+
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(state_q)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for it in cutlass.range(n_max - n_min, unroll=1):
+            n_block = n_max - 1 - it
+            n0 = n_block * BN
+            pipe_kv.consumer_wait(state)
+            stage = state.index
+            if n0 + BN > k_len:
+                # Key rows past k_len meet dS = 0 in dQ += dS K (0 * NaN = NaN): zeros first.
+                sc.zero_rows_from(dt, BN, HD, sK[None, None, stage], k_len - n0, tidx % 128, _BAR_WG_BASE + wg)
+            acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+            sc.gemm(mma_s0, mma_s, acc_S, tSrQ, tSrK[None, None, None, stage], True)
+            acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+            sc.gemm(mma_s0, mma_s, acc_dP, tSrdO, tSrV[None, None, None, stage], True)
+            warpgroup.wait_group(1)
+            s_mn = masking.acc_mn_view_sm90(acc_S)
+            t_mn = s_mn
+            if cutlass.const_expr(self.has_softcap):
+                acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                t_mn = masking.acc_mn_view_sm90(acc_T)
+            need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
+            bc.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0, k_len, off, left, right, score_mul, cap_mul, need, 0,
+                                self.has_softcap)
+            warpgroup.wait_group(0)
+            bc.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 0, self.has_softcap)
+            rdS.store(acc_dP.load().to(dt))
+            sc.gemm(mma_q, mma_q, acc_dQ, tQrdS, tQrKt[None, None, None, stage], False)
+            warpgroup.wait_group(0)
+            pipe_kv.consumer_release(state)
+            state.advance()
+
+        # Epilogue: dQ (times the softmax scale) through sQ (every consumer's GEMMs are complete after the
+        # barrier), valid query rows only.
+        cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
+        gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
+        sc.store_rows_via_smem(acc_dQ, dscale, dt, mma_q, copy_out, sQ, gdQ, BM, HD, m0, q_len, tidx,
+                               _BAR_CONSUMERS, self.num_consumer_threads)

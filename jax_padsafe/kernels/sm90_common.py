@@ -1,0 +1,117 @@
+"""Hopper (sm_90a) building blocks shared by the TMA + wgmma kernels.
+
+The forward (`fwd_sm90.py`) has private copies of some of these (`_c_to_a_layout`, the rows/head_dim/heads
+view inside `__call__`, `zero_partial_v`); they can be folded onto this module once that file settles.
+
+* `smem_layout`: a wgmma/TMA-compatible swizzled (rows, head_dim[, stages]) shared-memory layout.
+* `rows_dim_heads`: the (rows, head_dim, heads) view of a packed [total, heads, head_dim] tensor, so one
+  TMA box is (rows, head_dim) of one head.
+* `make_mma`: a wgmma TiledMma over `num_wg` consumer warpgroups stacked along M.
+* `c_to_a_layout`: a wgmma accumulator fragment re-viewed as the register A operand of the next GEMM.
+* `gemm`: issue one warpgroup GEMM (first k-block may overwrite) and commit it.
+* `zero_rows_from`: pad-safety under TMA (which zero-fills only outside the whole tensor): overwrite the
+  rows of a shared tile at or past a valid length with zeros, then make the generic-proxy stores visible
+  to the async proxy (wgmma) and barrier the warpgroup.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+
+from . import tiles
+
+
+def smem_layout(dtype, rows: int, head_dim: int, stages: int = 0):
+    """Row-major (head_dim contiguous) swizzled layout of (rows, head_dim) or (rows, head_dim, stages)."""
+    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, head_dim),
+                                           dtype)
+    if stages:
+        return cute.tile_to_shape(atom, (rows, head_dim, stages), order=(0, 1, 2))
+    return cute.tile_to_shape(atom, (rows, head_dim), order=(0, 1))
+
+
+def rows_dim_heads(t: cute.Tensor) -> cute.Tensor:
+    """[total, heads, head_dim] -> (total, head_dim, heads) view (same memory)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
+
+
+def transposed(s: cute.Tensor) -> cute.Tensor:
+    """(rows, head_dim, stages) shared tensor -> (head_dim, rows, stages): the MN-major B operand view."""
+    return cute.make_tensor(s.iterator, cute.select(s.layout, mode=[1, 0, 2]))
+
+
+def make_mma(dtype, num_wg: int, tile_m_per_wg: int, tile_n: int, b_major_mn: bool, a_from_regs: bool):
+    """wgmma TiledMma: num_wg warpgroups x tile_m_per_wg rows, tile_n columns, fp32 accumulate.
+    A is K-major (shared memory, or registers with a_from_regs); B is K-major or MN-major."""
+    b_mode = warpgroup.OperandMajorMode.MN if b_major_mn else warpgroup.OperandMajorMode.K
+    args = [dtype, dtype, warpgroup.OperandMajorMode.K, b_mode, cutlass.Float32, (num_wg, 1, 1),
+            (tile_m_per_wg, tile_n)]
+    if a_from_regs:
+        args.append(warpgroup.OperandSource.RMEM)
+    return sm90_utils.make_trivial_tiled_mma(*args)
+
+
+def c_to_a_layout(lay):
+    """wgmma C fragment ((2, 2, N/8), M, N) -> register A fragment ((2, 2, 2), M, (N, N/16)) of the next
+    GEMM: an A k-block of 16 columns is two consecutive 8-column blocks of C (same registers)."""
+    s0, d0 = lay.shape[0], lay.stride[0]
+    return cute.make_layout(
+        ((s0[0], s0[1], 2), lay.shape[1], (lay.shape[2], s0[2] // 2)),
+        stride=((d0[0], d0[1], d0[2]), lay.stride[1], (lay.stride[2], 2 * d0[2])),
+    )
+
+
+@cute.jit
+def gemm(mma_first: cute.TiledMma, mma_acc: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+         overwrite: cutlass.Constexpr):
+    """Issue acc (+)= A B^T over every k-block of the operand fragments and commit the group; with
+    `overwrite` the first k-block uses `mma_first` (accumulate off).  The caller waits."""
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+        mma = mma_first if (overwrite and k == 0) else mma_acc
+        cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k], acc)
+    warpgroup.commit_group()
+
+
+@cute.jit
+def zero_rows_from(dtype: cutlass.Constexpr, rows: cutlass.Constexpr, head_dim: cutlass.Constexpr, s_tile: cute.Tensor,
+                   n_valid: cutlass.Int32, tidx_wg: cutlass.Int32, barrier_id: cutlass.Int32):
+    """Zero the rows r >= n_valid of the (rows, head_dim) shared tile `s_tile` with 16-byte stores by the
+    128 threads of one warpgroup (tidx_wg in [0, 128)), then fence.proxy.async (wgmma reads through the
+    async proxy) and barrier that warpgroup.  Several warpgroups may zero the same rows (same values)."""
+    zero_copy = tiles.gmem_tiled_copy(dtype, head_dim, 128, async_copy=False)
+    thr = zero_copy.get_slice(tidx_wg)
+    tZs = thr.partition_D(s_tile)
+    tZc = thr.partition_D(cute.make_identity_tensor((rows, head_dim)))
+    for m in cutlass.range_constexpr(cute.size(tZs.shape[1])):
+        if tZc[0, m, 0][0] >= n_valid:
+            tZs[None, m, None].fill(0)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+
+
+@cute.jit
+def store_rows_via_smem(acc: cute.Tensor, mul: cutlass.Float32, dtype: cutlass.Constexpr, tiled_mma: cute.TiledMma,
+                        copy_out: cute.TiledCopy, sX: cute.Tensor, gX: cute.Tensor, rows: cutlass.Constexpr,
+                        cols: cutlass.Constexpr, row0: cutlass.Int32, row_limit: cutlass.Int32, tidx: cutlass.Int32,
+                        barrier_id: cutlass.Int32, num_threads: cutlass.Constexpr):
+    """mul * acc (a wgmma C fragment of the (rows, cols) tile) -> shared sX -> global gX, writing only tile rows
+    with row0 + r < row_limit (16-byte stores), so a partial tile never touches a neighbouring sequence.
+    The caller barriers before (every GEMM reading sX is complete)."""
+    rX = cute.make_fragment_like(acc, dtype)
+    rX.store((acc.load() * mul).to(dtype))
+    copy_r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype), tiled_mma)
+    thr_r2s = copy_r2s.get_slice(tidx)
+    cute.copy(copy_r2s, thr_r2s.retile(rX), thr_r2s.partition_D(sX))
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+    thr_out = copy_out.get_slice(tidx)
+    tXsX = thr_out.partition_S(sX)
+    tXgX = thr_out.partition_D(gX)
+    tXcX = thr_out.partition_D(cute.make_identity_tensor((rows, cols)))
+    tXrX = cute.make_fragment_like(tXgX, dtype)
+    cute.copy(copy_out, tXsX, tXrX)
+    for m in cutlass.range_constexpr(cute.size(tXrX.shape[1])):
+        if row0 + tXcX[0, m, 0][0] < row_limit:
+            cute.copy(copy_out, tXrX[None, m, None], tXgX[None, m, None])
