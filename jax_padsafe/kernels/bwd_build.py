@@ -212,6 +212,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     _apply_tile_overrides()
     print(f"backward tiles (block_m, block_n, threads) dkdv / dq: {BWD_TILES}", flush=True)
+    if a.sm90_bwd:
+        print(f"sm90 backward tiles (block_m, block_n, stages) dkdv / dq: {SM90_BWD_TILES}", flush=True)
     os.makedirs(a.out, exist_ok=True)
     todo = [BwdVariant(ar, d, h, c) for ar in _csv(a.archs) for d in _csv(a.dtypes)
             for h in _csv(a.head_dims, int) if h in BWD_TILES for c in _csv(a.softcap, lambda x: bool(int(x)))]
