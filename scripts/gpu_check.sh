@@ -22,23 +22,42 @@ case "$cmd" in
     ldd "$lib" | sed 's/^/  /'
     ;;
   test)
+    # JPS_STEPS picks parts (default all): checks (kernel checks), suite (pytest cute cases),
+    # bench (benchmarks), sharded (multi-GPU check; needs >= 2 GPUs).  A 10-minute device call fits
+    # "checks" or "suite,bench", not both.
     out=${OUT:-gpu_out}; mkdir -p "$out"
     export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+    steps=",${JPS_STEPS:-checks,suite,bench,sharded},"
     quick=""; [ "${1:-}" = "--quick" ] && quick="--quick"
     rc=0
     nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader | tee "$out/device.txt"
-    python3 -m pytest -q tests/test_cute_lowering.py 2>&1 | tail -3 | tee "$out/lowering.log" || rc=1
-    python3 tests/gpu/check_forward.py $quick --json "$out/check_forward.json" 2>&1 | tee "$out/check_forward.log" || rc=1
-    python3 tests/gpu/check_backward.py $quick --json "$out/check_backward.json" 2>&1 | tee "$out/check_backward.log" || rc=1
-    # The same kernels inside CUDA graphs (XLA command buffers with custom calls).
-    XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
-      python3 tests/gpu/check_forward.py --quick 2>&1 | tail -4 | tee "$out/check_cmdbuf.log" || rc=1
-    # The project's CPU test suite on the GPU, implementation="cute" parametrisations only.
-    python3 -m pytest -q tests --ignore=tests/gpu -k cute -rs 2>&1 | tail -40 | tee "$out/tests_cute.log" || rc=1
-    [ -n "${JPS_SKIP_BENCH:-}" ] || python3 benchmarks/bench_forward.py $quick --out "$out/bench_forward.json" 2>&1 \
-      | tee "$out/bench_forward.log" | tail -40
-    [ -n "${JPS_SKIP_BENCH:-}" ] || python3 benchmarks/bench_backward.py --out "$out/bench_backward.json" 2>&1 \
-      | tee "$out/bench_backward.log" | tail -20
+    cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)
+    ngpu=$(nvidia-smi -L | wc -l)
+    if [[ $steps == *,checks,* ]]; then
+      python3 -m pytest -q tests/test_cute_lowering.py 2>&1 | tail -3 | tee "$out/lowering.log" || rc=1
+      python3 tests/gpu/check_forward.py $quick --json "$out/check_forward.json" 2>&1 | tee "$out/check_forward.log" | tail -3 || rc=1
+      if [ "$cc" = "9.0" ]; then  # Hopper runs the sm90 forward by default: check the SM80-class one too
+        JAX_PADSAFE_SM90=0 python3 tests/gpu/check_forward.py $quick --json "$out/check_forward_sm80class.json" 2>&1 \
+          | tee "$out/check_forward_sm80class.log" | tail -3 || rc=1
+      fi
+      python3 tests/gpu/check_backward.py $quick --json "$out/check_backward.json" 2>&1 | tee "$out/check_backward.log" | tail -3 || rc=1
+      # The same kernels inside CUDA graphs (XLA command buffers with custom calls).
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
+        python3 tests/gpu/check_forward.py --quick 2>&1 | tail -4 | tee "$out/check_cmdbuf.log" || rc=1
+    fi
+    if [[ $steps == *,suite,* ]]; then
+      # The project's CPU test suite on the GPU, implementation="cute" parametrisations only.
+      python3 -m pytest -q tests --ignore=tests/gpu -k cute -rs 2>&1 | tail -40 | tee "$out/tests_cute.log" || rc=1
+    fi
+    if [[ $steps == *,sharded,* ]] && [ "$ngpu" -ge 2 ]; then
+      python3 tests/gpu/check_sharded.py --json "$out/check_sharded.json" 2>&1 | tee "$out/check_sharded.log" | tail -3 || rc=1
+    fi
+    if [[ $steps == *,bench,* ]]; then
+      python3 benchmarks/bench_forward.py $quick --out "$out/bench_forward.json" 2>&1 \
+        | tee "$out/bench_forward.log" | tail -40
+      python3 benchmarks/bench_backward.py --out "$out/bench_backward.json" 2>&1 \
+        | tee "$out/bench_backward.log" | tail -20
+    fi
     exit $rc
     ;;
   *) sed -n 2,9p "$0"; exit 2 ;;
