@@ -99,9 +99,9 @@ RING_CASES = {
 }
 
 
-def check_ring(devs):
-  """Ring attention with kernel chunk pairs on 2 GPUs; returns (rows, all passed)."""
-  mesh = jax.make_mesh((2,), ("seq",), devices=devs[:2],
+def check_ring(devs, ways=2):
+  """Ring attention with kernel chunk pairs on ``ways`` GPUs; returns (rows, all passed)."""
+  mesh = jax.make_mesh((ways,), ("seq",), devices=devs[:ways],
                        axis_types=(jax.sharding.AxisType.Auto,))
   rows, ok = [], True
   dtype = jnp.bfloat16
@@ -113,8 +113,8 @@ def check_ring(devs):
       p.q_ids, p.kv_ids = ids, ids.copy()
     b, t = p.q.shape[:2]
     s = p.k.shape[1]
-    idx_q = sharding.zigzag_indices(t, 2) if layout == "zigzag" else np.arange(t)
-    idx_k = sharding.zigzag_indices(s, 2) if layout == "zigzag" else np.arange(s)
+    idx_q = sharding.zigzag_indices(t, ways) if layout == "zigzag" else np.arange(t)
+    idx_k = sharding.zigzag_indices(s, ways) if layout == "zigzag" else np.arange(s)
     inv_q, inv_k = np.argsort(idx_q), np.argsort(idx_k)
     api = helpers.api_kwargs(p, None)
     if "query_segment_ids" in api:
@@ -150,7 +150,7 @@ def check_ring(devs):
                   dv=dv[:, inv_k])
 
     names = ["out", "lse", "dq", "dk", "dv"]
-    row = dict(case=name, calls=calls, collectives=collectives(hlo))
+    row = dict(case=name, ring_gpus=ways, calls=calls, collectives=collectives(hlo))
     try:
       base = results("zero")
       ref = oracle.reference(p, d_out, d_lse)
@@ -176,13 +176,17 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--json")
   ap.add_argument("--ring-only", action="store_true")
+  ap.add_argument("--ring-gpus", type=int, default=2, help="ring size (sequence shards)")
   args = ap.parse_args()
   devs = jax.devices()
   if len(devs) < 2:
     print("needs >= 2 GPUs")
     sys.exit(2)
-  ring_rows, ok = check_ring(devs)
+  ring_rows, ok = check_ring(devs, args.ring_gpus)
   if args.ring_only:
+    if args.json:
+      with open(args.json, "w") as fh:
+        json.dump(dict(device=devs[0].device_kind, n_devices=len(devs), ring=ring_rows), fh, indent=1)
     print("ALL OK" if ok else "FAILURES")
     sys.exit(0 if ok else 1)
   rng = np.random.default_rng(0)
