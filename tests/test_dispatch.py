@@ -212,3 +212,24 @@ def test_ring_chunk_pairs_lower_to_kernels(kernels_built, causal):
   with pytest.raises(NotImplementedError, match="window"):
     _lowered(lambda q, k, v: sharding.ring_attention(
         q, k, v, mesh=mesh, axis_name="seq", local_window_size=4, implementation="cute"), x, x, x)
+
+
+def test_max_segments_bounds_the_kernel_runs(kernels_built):
+  """Three packed documents per row: max_segments=4 sizes the kernels for them; max_segments=2
+  cannot hold them, so the call takes the pure-JAX path (and "cute" says why); bad values raise."""
+  ids = jnp.array([[0] * 5 + [1] * 5 + [2] * 6] * 2, jnp.int32)
+  q, _, _ = _qkv()
+  kv = jax.ShapeDtypeStruct((2, 16, 2, 64), jnp.bfloat16)
+
+  def f(max_segments, impl=None):
+    return lambda q, k, v: jax_padsafe.dot_product_attention(
+        q, k, v, query_segment_ids=ids, key_value_segment_ids=ids, is_causal=True,
+        max_segments=max_segments, implementation=impl)
+
+  assert TARGET in _targets(_lowered(f(4), q, kv, kv))
+  assert TARGET not in _targets(_lowered(f(2), q, kv, kv))
+  with pytest.raises(NotImplementedError, match="at most 2 runs"):
+    _lowered(f(2, "cute"), q, kv, kv)
+  for bad in (0, -1, 2.5, True):
+    with pytest.raises(ValueError, match="max_segments"):
+      _lowered(f(bad), q, kv, kv)
