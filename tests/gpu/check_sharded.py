@@ -99,13 +99,14 @@ RING_CASES = {
 }
 
 
-def check_ring(devs, ways=2):
+def check_ring(devs, ways=2, cases=tuple(RING_CASES)):
   """Ring attention with kernel chunk pairs on ``ways`` GPUs; returns (rows, all passed)."""
   mesh = jax.make_mesh((ways,), ("seq",), devices=devs[:ways],
                        axis_types=(jax.sharding.AxisType.Auto,))
   rows, ok = [], True
   dtype = jnp.bfloat16
-  for name, (kw, layout, with_ids) in RING_CASES.items():
+  for name in cases:
+    kw, layout, with_ids = RING_CASES[name]
     rng = np.random.default_rng(len(name))
     p = helpers.random_problem(rng, **kw)
     if with_ids:  # two packed documents per row
@@ -177,12 +178,17 @@ def main():
   ap.add_argument("--json")
   ap.add_argument("--ring-only", action="store_true")
   ap.add_argument("--ring-gpus", type=int, default=2, help="ring size (sequence shards)")
+  ap.add_argument("--ring-cases", default=",".join(RING_CASES), help="comma-separated RING_CASES names")
+  ap.add_argument("--mesh-gpus", type=int, default=None,
+                  help="GPUs of the batch/head meshes: 2 or 4 (default: min(4, GPUs)) or 8")
+  ap.add_argument("--skip-ring", action="store_true")
   args = ap.parse_args()
   devs = jax.devices()
   if len(devs) < 2:
     print("needs >= 2 GPUs")
     sys.exit(2)
-  ring_rows, ok = check_ring(devs, args.ring_gpus)
+  ring_rows, ok = ([], True) if args.skip_ring else check_ring(devs, args.ring_gpus,
+                                                                args.ring_cases.split(","))
   if args.ring_only:
     if args.json:
       with open(args.json, "w") as fh:
@@ -191,15 +197,20 @@ def main():
     sys.exit(0 if ok else 1)
   rng = np.random.default_rng(0)
   results = []
-  b, t, h = 4, 384, 128
+  g = args.mesh_gpus or min(4, len(devs))
+  if g not in (2, 4, 8) or g > len(devs):
+    sys.exit(f"--mesh-gpus {g}: needs 2, 4 or 8 and at most {len(devs)}")
+  b, t, h = max(4, g), 384, 128
   # mesh name -> (mesh shape over ("d", "m"), sharding of [B, T, heads, H])
-  meshes = {"batch": ((2, 1), P("d", None, None, None)),
-            "heads": ((1, 2), P(None, None, "m", None))}
-  if len(devs) >= 4:
-    meshes["batch_heads"] = ((2, 2), P("d", None, "m", None))
+  meshes = {"batch": ((g, 1), P("d", None, None, None)),
+            "heads": ((1, g), P(None, None, "m", None))}
+  if g >= 4:
+    meshes["batch_heads"] = ((2, g // 2), P("d", None, "m", None))
+  # GQA with as many kv heads as head shards (so kv heads split too), and MQA (heads gathered).
+  head_configs = ((16, max(4, g)), (8, 1))
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
   for layout in ("lengths", "segments", "varlen"):
-    for n, kh in ((16, 4), (8, 1)):
+    for n, kh in head_configs:
       (q, k, v, do, dl), valid, kw, lens = problem(rng, layout, b, t, n, kh, h)
       step = step_fn(layout, kw, lens, b, t)
       single = jax.jit(step)(bf(q), bf(k), bf(v), bf(do), jnp.asarray(dl))
