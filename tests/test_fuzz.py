@@ -19,6 +19,7 @@ import pytest
 
 import jax_padsafe
 from tests import helpers
+from tests import test_varlen
 from tests.conftest import _cute_ready
 from tests.test_dispatch import _lowered, _targets, kernels_built  # noqa: F401 (fixture)
 
@@ -84,6 +85,34 @@ def draw_problem(seed, impl):
   return p, dtype
 
 
+def draw_packed(seed, impl):
+  """A random packed (varlen) problem: per-sequence capacities and used lengths (gaps between the
+  used rows and the next sequence), empty sequences, tails past cu_seqlens[-1]."""
+  rng = np.random.default_rng(seed)
+  gpu = impl == "cute"
+  nseq = int(rng.integers(1, 5))
+  top = 160 if gpu else 40
+  caps_q, caps_k = rng.integers(0, top, size=nseq), rng.integers(0, top, size=nseq)
+  used_q = np.minimum(caps_q, np.where(rng.random(nseq) < 0.5, caps_q, rng.integers(0, top, size=nseq)))
+  used_k = np.minimum(caps_k, np.where(rng.random(nseq) < 0.5, caps_k, rng.integers(0, top, size=nseq)))
+  kh = int(rng.choice([1, 2, 4]))
+  kw = dict(causal=bool(rng.random() < 0.5), bottom_right=bool(rng.random() < 0.5))
+  if rng.random() < 0.3:
+    kw["window"] = (int(rng.integers(0, 40)), None if rng.random() < 0.5 else int(rng.integers(0, 40)))
+  if rng.random() < 0.3:
+    kw["softcap"] = float(rng.uniform(2.0, 50.0))
+  d = test_varlen.build(rng, caps_q, used_q, caps_k, used_k, tail_q=int(rng.integers(0, 9)),
+                        tail_k=int(rng.integers(0, 9)), n=kh * int(rng.choice([1, 2])), k=kh,
+                        h=int(rng.choice([64, 128, 256] if gpu else [32, 64])), **kw)
+  dtype = rng.choice([jnp.bfloat16, jnp.float16] + ([] if gpu else [jnp.float32]))
+  return d, dtype, rng
+
+
+def _run_packed(seed, impl):
+  d, dtype, rng = draw_packed(seed, impl)
+  test_varlen.check_packed(d, dtype, impl, rng)
+
+
 def _run(seed, impl):
   p, dtype = draw_problem(seed, impl)
   helpers.check_problem(p, dtype, impl, seed=seed)
@@ -94,10 +123,24 @@ def test_random_contract_xla(seed):
   _run(seed, "xla")
 
 
-@pytest.mark.skipif(not _cute_ready()[0], reason=_cute_ready()[1] or "no GPU")
+@pytest.mark.parametrize("seed", CPU_SEEDS[:6])
+def test_random_packed_contract_xla(seed):
+  _run_packed(seed, "xla")
+
+
+_NO_GPU = pytest.mark.skipif(not _cute_ready()[0], reason=_cute_ready()[1] or "no GPU")
+
+
+@_NO_GPU
 @pytest.mark.parametrize("seed", GPU_SEEDS)
 def test_random_contract_cute(seed):
   _run(seed, "cute")
+
+
+@_NO_GPU
+@pytest.mark.parametrize("seed", GPU_SEEDS[:20])
+def test_random_packed_contract_cute(seed):
+  _run_packed(seed, "cute")
 
 
 def test_gpu_draws_reach_the_kernels(kernels_built):
@@ -115,3 +158,20 @@ def test_gpu_draws_reach_the_kernels(kernels_built):
     assert "jax_padsafe_fwd" in targets, (seed, p.shape)
     if p.shape[3] <= 128:  # head dims 192/256: see test_dispatch for the backward's head dims
       assert "jax_padsafe_bwd" in targets, (seed, p.shape)
+  for seed in GPU_SEEDS[:20]:
+    d, dtype, _ = draw_packed(seed, "cute")
+    p = d["problem"]
+    kw = dict(seqused_q=jnp.asarray(d["used_q"]), seqused_k=jnp.asarray(d["used_k"]),
+              is_causal=p.causal, softcap=p.softcap, implementation="cute",
+              causal_alignment="bottom_right" if p.bottom_right else "top_left",
+              local_window_size=None if p.window is None else tuple(-1 if w is None else w
+                                                                    for w in p.window),
+              max_seqlen_q=int(p.q.shape[1]), max_seqlen_k=int(p.k.shape[1]))
+    cu_q, cu_k = jnp.asarray(d["cu_q"]), jnp.asarray(d["cu_k"])
+
+    def packed_loss(q, k, v):
+      out = jax_padsafe.varlen_attention(q, k, v, cu_q, cu_k, **kw)
+      return jnp.sum(out.astype(jnp.float32))
+
+    args = [jax.ShapeDtypeStruct(x.shape, dtype) for x in (d["q"], d["k"], d["v"])]
+    assert "jax_padsafe_fwd" in _targets(_lowered(jax.grad(packed_loss, (0, 1, 2)), *args)), seed
