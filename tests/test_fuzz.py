@@ -24,7 +24,7 @@ from tests.conftest import _cute_ready
 from tests.test_dispatch import _lowered, _targets, kernels_built  # noqa: F401 (fixture)
 
 CPU_SEEDS = range(12)
-GPU_SEEDS = range(100, 140)
+GPU_SEEDS = range(100, 132)
 
 
 def _lengths(rng, b, n_max):
@@ -138,7 +138,7 @@ def test_random_contract_cute(seed):
 
 
 @_NO_GPU
-@pytest.mark.parametrize("seed", GPU_SEEDS[:20])
+@pytest.mark.parametrize("seed", GPU_SEEDS[:16])
 def test_random_packed_contract_cute(seed):
   _run_packed(seed, "cute")
 
@@ -158,7 +158,7 @@ def test_gpu_draws_reach_the_kernels(kernels_built):
     assert "jax_padsafe_fwd" in targets, (seed, p.shape)
     if p.shape[3] <= 128:  # head dims 192/256: see test_dispatch for the backward's head dims
       assert "jax_padsafe_bwd" in targets, (seed, p.shape)
-  for seed in GPU_SEEDS[:20]:
+  for seed in GPU_SEEDS[:16]:
     d, dtype, _ = draw_packed(seed, "cute")
     p = d["problem"]
     kw = dict(seqused_q=jnp.asarray(d["used_q"]), seqused_k=jnp.asarray(d["used_k"]),
