@@ -4,7 +4,8 @@
 //   initialize: loads the backward kernel modules for this device's architecture (once, mutex).
 //   execute:    validates shapes; zero-fills dq, dk, dv and the Delta workspace (stream-ordered memsets:
 //               padded rows are zero by construction, nothing is left to the allocator); launches
-//               preprocess (Delta), dK/dV, dQ.  No atomics, no fp32 global accumulator: deterministic.
+//               preprocess (Delta), dK/dV (or, for variants with a `dk` entry, a dV pass then a dK pass),
+//               dQ.  No atomics, no fp32 global accumulator: deterministic.
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -162,7 +163,8 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   a.max_seqlen_q = max_seqlen_q;
   a.max_seqlen_k = max_seqlen_k;
   int32_t rc = var->pre(var->pre_module, &a, stream);
-  if (rc == 0) rc = var->dkdv(var->dkdv_module, &a, stream);
+  if (rc == 0) rc = var->dkdv(var->dkdv_module, &a, stream);              // dK and dV, or the dV pass
+  if (rc == 0 && var->dk) rc = var->dk(var->dk_module, &a, stream);       // the dK pass (head_dim > 128)
   if (rc == 0) rc = var->dq(var->dq_module, &a, stream);
   if (rc != 0) return ffi::Error::Internal(std::string("jax_padsafe_bwd: launch of ") + var->name + ": " + cudaGetErrorString((cudaError_t)rc));
   return ffi::Error::Success();

@@ -31,4 +31,9 @@ struct JpsBwdVariant {
   JpsBwdLaunchFn dq;
   const char *name;
   int family;  // 0: SM80-class (bwd_sm80), 1: Hopper TMA + wgmma (bwd_sm90, sm_90a only)
+  // Second dK/dV launch, or null.  Non-null for the SM80-class variants with head_dim > 128: `dkdv` is then
+  // the dV-only pass and `dk` the dK-only pass of the same kernel (bwd_sm80.BwdDKDV outputs="dv"/"dk"),
+  // launched one after the other with the same arguments; each writes only its own output.
+  void *dk_module;
+  JpsBwdLaunchFn dk;
 };

@@ -1,6 +1,7 @@
 """Backend dispatch, checked on the CPU by lowering for CUDA: which calls reach the kernels'
 custom call, which fall back to the pure-JAX path, and which raise."""
 
+import functools
 import re
 
 import jax
@@ -58,12 +59,34 @@ def test_default_prefers_kernels_and_gradient_keeps_them(kernels_built):
   assert TARGET in grad_targets and "jax_padsafe_bwd" in grad_targets
 
 
-def test_backward_without_kernel_variant_uses_pure_jax(kernels_built):
-  """Head dim 192 has a forward kernel but (by default) no backward one: the gradient falls back."""
+@pytest.mark.parametrize("h", [192, 256])
+def test_backward_large_head_dims_reach_kernels(kernels_built, h):
+  """Head dims 192 and 256 have backward kernels (two dK/dV passes) in the default build."""
   def loss(q, k, v):
     return jnp.sum(jax_padsafe.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
-  grad_targets = _targets(_lowered(jax.grad(loss, (0, 1, 2)), *_qkv(h=192)))
-  assert TARGET in grad_targets and "jax_padsafe_bwd" not in grad_targets
+  grad_targets = _targets(_lowered(jax.grad(loss, (0, 1, 2)), *_qkv(h=h)))
+  assert TARGET in grad_targets and "jax_padsafe_bwd" in grad_targets
+
+
+def test_backward_without_kernel_variant_uses_pure_jax(kernels_built, monkeypatch):
+  """A library built without the backward variant of a head dim (here: a build restricted to hd64/128,
+  as JPS_HEAD_DIMS=64,128 gives) keeps the forward kernel for hd192 but runs its gradient on the
+  pure-JAX backward; with implementation="cute" as well (the backward has no NotImplementedError path)."""
+  bwd = pytest.importorskip("jax_padsafe._cute.bwd_ops")
+  restricted = tuple((90, 0, h, c) for h in (64, 128) for c in (0, 1))  # (arch, dtype code, head dim, softcap)
+  monkeypatch.setattr(bwd, "_load", functools.lru_cache(maxsize=None)(lambda: (None, restricted)))
+  assert "head dim 192" in bwd.unsupported_reason(dtype=jnp.bfloat16, head_dim=192, num_heads=8, num_kv_heads=2,
+                                                  causal=True, window=False, softcap=None)
+  for impl in (None, "cute"):
+    def loss(q, k, v):
+      return jnp.sum(jax_padsafe.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+                     .astype(jnp.float32))
+    # Shapes no other test uses: traced implementations are cached per shape, and the unrestricted
+    # library of the other tests sends hd192 gradients to the kernel.
+    grad_targets = _targets(_lowered(jax.grad(loss, (0, 1, 2)), *_qkv(t=11, s=13, h=192)))
+    assert TARGET in grad_targets and "jax_padsafe_bwd" not in grad_targets
+    # The variants the restricted library has still reach the backward kernel.
+    assert "jax_padsafe_bwd" in _targets(_lowered(jax.grad(loss, (0, 1, 2)), *_qkv(t=11, s=13, h=128)))
 
 
 def test_varlen_lowers_to_custom_call(kernels_built):

@@ -7,9 +7,11 @@ with lse = -inf give dq = 0 and add nothing to dk/dv, and nothing depends on wha
 
 Kernels (jax_padsafe/kernels/bwd_sm80.py): preprocess (Delta = rowsum(dO*O) - dlse into a zero-filled
 workspace), dK/dV (one CTA per key tile, looping over the query heads of its GQA group and the query
-tiles), dQ (one CTA per query tile, looping over key tiles).  No atomics and no global accumulator:
-every call is deterministic, so `deterministic=True` costs nothing extra; the price of this design is
-that S = QK^T and dP = dO V^T are computed in both kernels (7 GEMMs instead of 5).
+tiles; for head dims above 128 two launches of it, a dV pass and a dK pass, so that one 16 x HD fp32
+accumulator per warp fits in registers), dQ (one CTA per query tile, looping over key tiles).  No
+atomics and no global accumulator: every call is deterministic, so `deterministic=True` costs nothing
+extra; the price of this design is that S = QK^T and dP = dO V^T are computed in both kernels (7 GEMMs
+instead of 5; 8 with the split dK/dV kernel).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 from . import ops
 
 TARGET_NAME = "jax_padsafe_bwd"
-_DEFAULT_HEAD_DIMS = (64, 96, 128)
+_DEFAULT_HEAD_DIMS = (64, 96, 128, 192, 256)  # = kernels.bwd_build.BWD_HEAD_DIMS
 _lock = threading.Lock()
 
 

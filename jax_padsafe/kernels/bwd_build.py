@@ -11,9 +11,11 @@ capability 9.0 (JAX_PADSAFE_SM90_BWD=0 at run time opts out).  On by default sin
 tests/gpu/check_backward.py on an H100 (26/26, hd128 bf16/fp16; benchmarks/NOTES_sm90_bwd.md); JPS_SM90_BWD=0
 builds without it.  JPS_SM90_BWD_TILES="128=64x128x3,128x64x2" overrides its tiles (dK/dV, dQ:
 block_m x block_n x stages) for experiments.
-Per variant three kernels are exported (`<prefix>_pre`, `<prefix>_dkdv`, `<prefix>_dq`); then `jps_bwd_registry.h` (launch adapters +
-the table `kJpsBwdVariants`) and `bwd_objects.txt` are written, which ffi/CMakeLists.txt links in
-(ffi/jps_bwd.cc) when present.
+Per variant three kernels are exported (`<prefix>_pre`, `<prefix>_dkdv`, `<prefix>_dq`), or four for the
+SM80-class family at head dims above `SPLIT_DKDV_ABOVE` (`<prefix>_pre`, `<prefix>_dv`, `<prefix>_dk`,
+`<prefix>_dq`: the dK/dV kernel compiled as a dV-only and a dK-only pass, launched one after the other);
+then `jps_bwd_registry.h` (launch adapters + the table `kJpsBwdVariants`) and `bwd_objects.txt` are
+written, which ffi/CMakeLists.txt links in (ffi/jps_bwd.cc) when present.
 """
 
 import argparse
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 from . import variants as V
 
-BWD_HEAD_DIMS = (64, 96, 128)
+BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 # (block_m, block_n, num_threads) of the dK/dV kernel and of the dQ kernel.  Each warp owns 16 rows of
 # the accumulators (dK and dV: 16 x HD each; dQ: 16 x HD), which live in registers.
 # H100, 2026-11-22 (benchmarks/RESULTS.md, double-buffered kernels): 8-warp tiles dkdv=64x128x256 were
@@ -34,7 +36,23 @@ BWD_TILES = {
     64: ((64, 64, 128), (64, 64, 128)),
     96: ((64, 64, 128), (64, 64, 128)),
     128: ((64, 64, 128), (64, 64, 128)),
+    # hd192/256 (dK/dV in two passes): 32 query rows per dK/dV step and 32 keys per dQ step keep the S / dP
+    # fragments small next to the 16 x HD accumulator.  ptxas (13.0, sm_90a, bf16): 0 spills for the dV and
+    # dK passes and dQ (hd256 dQ with softcap: 16 B), where 64 x 64 tiles spilled 184 B (dK pass, softcap)
+    # and 392-448 B (dQ).  Shared memory 128 KB per block in every kernel (dV pass 96 KB), 2 stages on both
+    # sm_80 (163 KB allowed) and sm_90a.
+    192: ((32, 64, 128), (64, 32, 128)),
+    256: ((32, 64, 128), (64, 32, 128)),
 }
+# Above this head dim the SM80-class dK/dV kernel runs as two passes (dV only, then dK only): dK and dV
+# together would need 2 x 16 x HD fp32 accumulators per warp, 2 x HD / 2 registers per thread (256 at hd256).
+SPLIT_DKDV_ABOVE = 128
+# Shared-memory stages of the streamed operands, (dK/dV kernel: Q/dO, dQ kernel: K/V), per (arch, head dim)
+# where not 2.  Shared memory per block (bf16/fp16, 2 stages): dK/dV 2 x 2 x block_m x HD x 2 B (Q, dO) +
+# 2 x block_n x HD x 2 B (K, V); dQ 2 x block_m x HD x 2 B + 2 x 2 x block_n x HD x 2 B.  With the tiles
+# above every variant fits sm_80's 163 KB per block (hd256: 128 KB), so none needs one stage today; one
+# stage (load, then compute) compiles but no default variant uses it and it has not run on a GPU.
+BWD_STAGES = {}
 
 
 # sm90 family: ((block_m, block_n, stages) of the dK/dV kernel, (block_m, block_n, stages) of the dQ kernel);
@@ -81,6 +99,21 @@ class BwdVariant:
     def tile(self):
         return SM90_BWD_TILES[self.head_dim] if self.family == "sm90" else BWD_TILES[self.head_dim]
 
+    @property
+    def stages(self):
+        """(dK/dV stages, dQ stages) of the SM80-class family."""
+        return BWD_STAGES.get((self.arch, self.head_dim), (2, 2))
+
+    @property
+    def split(self) -> bool:
+        """True: the dK/dV kernel is exported as a dV pass (`_dv`) and a dK pass (`_dk`)."""
+        return self.family == "sm80" and self.head_dim > SPLIT_DKDV_ABOVE
+
+    @property
+    def kinds(self):
+        """The exported kernels, in launch order."""
+        return ("pre", "dv", "dk", "dq") if self.split else ("pre", "dkdv", "dq")
+
 
 def _compile_one(args):
     variant, out = args
@@ -121,13 +154,19 @@ def _compile_one(args):
 
         # Same call arguments and exported ABI as the SM80-class kernels; the constructors take
         # (dtype, head_dim, block_m, block_n, stages, softcap): the tile's third entry is a stage count here.
-        BwdDKDV, BwdDQ = BwdDKDVSm90, BwdDQSm90  # noqa: N806
-    dkdv = cute.compile(BwdDKDV(dt, H, bm, bn, nt, variant.softcap),
-                        x3(), x3(), x3(), x3(), f2(), f2(), x3(), x3(), i1(), i1(), i1(), i1(),
-                        1.0, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(), options=opts)
-    dkdv.export_to_c(out, p + "_dkdv", function_prefix=p + "_dkdv")
-    dq = cute.compile(BwdDQ(dt, H, bm_q, bn_q, nt_q, variant.softcap),
-                      x3(), x3(), x3(), x3(), f2(), f2(), x3(), i1(), i1(), i1(), i1(),
+        passes = {"dkdv": BwdDKDVSm90(dt, H, bm, bn, nt, variant.softcap)}
+        dq_kernel = BwdDQSm90(dt, H, bm_q, bn_q, nt_q, variant.softcap)
+    else:
+        st_kv, st_q = variant.stages
+        # One kernel class; the split variants compile it twice with a compile-time output selector.
+        passes = {kind: BwdDKDV(dt, H, bm, bn, nt, variant.softcap, stages=st_kv, outputs=kind)
+                  for kind in variant.kinds if kind in ("dkdv", "dv", "dk")}
+        dq_kernel = BwdDQ(dt, H, bm_q, bn_q, nt_q, variant.softcap, stages=st_q)
+    for kind, kern in passes.items():
+        dkdv = cute.compile(kern, x3(), x3(), x3(), x3(), f2(), f2(), x3(), x3(), i1(), i1(), i1(), i1(),
+                            1.0, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(), options=opts)
+        dkdv.export_to_c(out, f"{p}_{kind}", function_prefix=f"{p}_{kind}")
+    dq = cute.compile(dq_kernel, x3(), x3(), x3(), x3(), f2(), f2(), x3(), i1(), i1(), i1(), i1(),
                       1.0, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(), options=opts)
     dq.export_to_c(out, p + "_dq", function_prefix=p + "_dq")
     return variant, time.time() - t0
@@ -154,11 +193,15 @@ _SCALARS = {
     "dkdv": "a->score_mul, a->cap_mul, a->dscale, a->window_left, a->window_right, a->bottom_right, a->max_seqlen_k",
     "dq": "a->score_mul, a->cap_mul, a->dscale, a->window_left, a->window_right, a->bottom_right, a->max_seqlen_q",
 }
+# The dV and dK passes of a split variant have the dK/dV kernel's signature.
+_KERNELS["dv"] = _KERNELS["dk"] = _KERNELS["dkdv"]
+_SCALARS["dv"] = _SCALARS["dk"] = _SCALARS["dkdv"]
 
 
 def _adapter(v: BwdVariant) -> str:
     lines = []
-    for kind, tensors in _KERNELS.items():
+    for kind in v.kinds:
+        tensors = _KERNELS[kind]
         p = f"{v.prefix}_{kind}"
         lines.append(f'#include "{p}.h"')
         lines.append(f"static int32_t {p}_launch(void *module, const JpsBwdArgs *a, cudaStream_t s) {{")
@@ -169,30 +212,33 @@ def _adapter(v: BwdVariant) -> str:
         lines.append("}")
         lines.append(f"static {p}_Kernel_Module_t {p}_module;")
     p = v.prefix
-    lines.append(f"static void {p}_load(void) {{ {p}_pre_Kernel_Module_Load(&{p}_pre_module); "
-                 f"{p}_dkdv_Kernel_Module_Load(&{p}_dkdv_module); {p}_dq_Kernel_Module_Load(&{p}_dq_module); }}")
+    loads = " ".join(f"{p}_{kind}_Kernel_Module_Load(&{p}_{kind}_module);" for kind in v.kinds)
+    lines.append(f"static void {p}_load(void) {{ {loads} }}")
     return "\n".join(lines)
 
 
 def write_registry(out: str, built):
-    body = ["// Generated by jax_padsafe/kernels/bwd_build.py: do not edit.", "#pragma once", '#include "jps_bwd_args.h"']
+    body = ["// Generated by jax_padsafe/kernels/bwd_build.py: do not edit.", "#pragma once",
+            '#include "jps_bwd_args.h"']
     body += [_adapter(v) for v in built]
     body.append("static const JpsBwdVariant kJpsBwdVariants[] = {")
     for v in built:
         p = v.prefix
+        # dkdv = the first dK/dV launch (both outputs, or the dV pass); dk = the dK pass or null.
+        first, second = ("dv", f"&{p}_dk_module, &{p}_dk_launch") if v.split else ("dkdv", "0, 0")
         body.append(
             f"  {{{V.ARCH_CODE[v.arch]}, {V.DTYPE_CODE[v.dtype]}, {v.head_dim}, {int(v.softcap)}, &{p}_load, "
-            f"&{p}_pre_module, &{p}_pre_launch, &{p}_dkdv_module, &{p}_dkdv_launch, &{p}_dq_module, &{p}_dq_launch, "
-            f"\"{p}\", {V.FAMILY_CODE[v.family]}}},"
+            f"&{p}_pre_module, &{p}_pre_launch, &{p}_{first}_module, &{p}_{first}_launch, &{p}_dq_module, "
+            f"&{p}_dq_launch, \"{p}\", {V.FAMILY_CODE[v.family]}, {second}}},"
         )
     if not built:
-        body.append("  {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \"none\", 0},")
+        body.append("  {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \"none\", 0, 0, 0},")
     body.append("};")
     body.append(f"static const int kJpsNumBwdVariants = {len(built)};")
     with open(os.path.join(out, "jps_bwd_registry.h"), "w") as f:
         f.write("\n".join(body) + "\n")
     with open(os.path.join(out, "bwd_objects.txt"), "w") as f:
-        f.write("\n".join(f"{v.prefix}_{k}.o" for v in built for k in _KERNELS) + "\n")
+        f.write("\n".join(f"{v.prefix}_{k}.o" for v in built for k in v.kinds) + "\n")
 
 
 def _csv(s, conv=str):
@@ -211,7 +257,8 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=int(os.environ.get("JPS_JOBS", os.cpu_count() or 1)))
     a = ap.parse_args(argv)
     _apply_tile_overrides()
-    print(f"backward tiles (block_m, block_n, threads) dkdv / dq: {BWD_TILES}", flush=True)
+    print(f"backward tiles (block_m, block_n, threads) dkdv / dq: {BWD_TILES}; stages where not 2 (dkdv, dq): "
+          f"{BWD_STAGES}; dK/dV in two passes above hd{SPLIT_DKDV_ABOVE}", flush=True)
     if a.sm90_bwd:
         print(f"sm90 backward tiles (block_m, block_n, stages) dkdv / dq: {SM90_BWD_TILES}", flush=True)
     os.makedirs(a.out, exist_ok=True)

@@ -7,6 +7,7 @@
 * `probs_and_dscale`: recompute P from the score fragment and mask it with selects.
 * `gemm_ss` / `gemm_rs`: mma.sync GEMMs with ldmatrix-fed operands (shared/shared, register/shared).
 * `store_rows`: accumulator -> shared -> global for rows below a valid length only.
+* `smem_tiles_struct`: the shared-memory struct of a kernel configuration (only the buffers it uses).
 """
 
 import math
@@ -212,3 +213,13 @@ def store_rows(
     for m in cutlass.range_constexpr(cute.size(tXrX.shape[1])):
         if row0 + tXcX[0, m, 0][0] < row_limit:
             cute.copy(copy_out, tXrX[None, m, None], tXgX[None, m, None])
+
+
+def smem_tiles_struct(dtype, tiles_of: dict):
+    """A `cute.struct` with one 1024-byte-aligned `dtype` buffer per entry of `tiles_of` (name -> smem layout),
+    in that order.  Built here, outside the @cute.jit functions, so a kernel can leave out the buffers a
+    compile-time configuration does not use (an `if` inside a class body in a jit function would be
+    rewritten by the DSL's preprocessor)."""
+    fields = {name: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+              for name, layout in tiles_of.items()}
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))

@@ -8,6 +8,10 @@ dq, dk, dv and the Delta buffer (cudaMemsetAsync):
 2. `BwdDKDV`: one CTA per (key tile, kv head, sequence).  Loops over the query heads of its GQA group
    and over the query tiles that can see the key tile; recomputes S^T = K Q^T, P^T, dP^T = V dO^T,
    dS^T and accumulates dV += P^T dO, dK += dS^T Q in registers; writes the valid key rows once.
+   For head dims > 128 the two accumulators (16 x HD fp32 each per warp: 256 registers per thread at
+   hd256) cannot both live in registers, so the same class is compiled twice with `outputs="dv"`
+   (S^T, P^T, dV += P^T dO; V is never loaded) and `outputs="dk"` (S^T, dP^T, dS^T, dK += dS^T Q) and the
+   handler launches both: 128 accumulator registers each, S^T computed once more.
 3. `BwdDQ`: one CTA per (query tile, head, sequence).  Loops over key tiles; recomputes S, P, dP, dS
    and accumulates dQ += dS K in registers; writes the valid query rows once.
 
@@ -42,10 +46,12 @@ def _transposed(s, rows, cols):
 class BwdPreprocess:
     """Delta = rowsum(dO * O) - dlse (float32), valid rows with a visible key only."""
 
-    def __init__(self, dtype, head_dim: int, block_m: int = 64, num_threads: int = 128):
+    def __init__(self, dtype, head_dim: int, block_m: int = 0, num_threads: int = 128):
         self.dtype = dtype
         self.head_dim = head_dim
-        self.block_m = block_m
+        # Each thread holds its share of a (block_m, HD) tile of O and of dO in registers: 64 rows up to
+        # hd128 (64 values per thread), 32 rows above (at most 64 values per thread at hd256).
+        self.block_m = block_m or (64 if head_dim <= 128 else 32)
         self.num_threads = num_threads
 
     @cute.jit
@@ -120,18 +126,35 @@ class BwdPreprocess:
 
 
 class _BwdBase:
-    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool):
+    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool,
+                 stages: int = 2):
         assert head_dim % 32 == 0
+        assert stages in (1, 2)
         self.dtype = dtype
         self.head_dim = head_dim
         self.block_m = block_m
         self.block_n = block_n
         self.num_threads = num_threads
         self.has_softcap = has_softcap
+        self.stages = stages
 
 
 class BwdDKDV(_BwdBase):
-    """dK, dV for one key tile (all query heads of its GQA group, all query tiles that see it)."""
+    """dK, dV for one key tile (all query heads of its GQA group, all query tiles that see it).
+
+    `outputs`: "dkdv" (both accumulators, one pass), "dv" (dV only: no V load, no dP^T) or "dk" (dK only:
+    no dV GEMM).  The split passes keep one 16 x HD fp32 accumulator per warp instead of two, which is
+    what makes head dims 192 and 256 fit in the 255 registers of a thread; each pass writes only its own
+    output (the other one is left as the handler's memset made it) and runs the same tile schedule.
+    """
+
+    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool,
+                 stages: int = 2, outputs: str = "dkdv"):
+        super().__init__(dtype, head_dim, block_m, block_n, num_threads, has_softcap, stages)
+        assert outputs in ("dkdv", "dv", "dk")
+        self.outputs = outputs
+        self.do_dk = outputs in ("dkdv", "dk")
+        self.do_dv = outputs in ("dkdv", "dv")
 
     @cute.jit
     def __call__(
@@ -160,15 +183,11 @@ class BwdDKDV(_BwdBase):
         dtype = self.dtype
         sQ_layout = tiles.smem_layout(dtype, self.block_m, self.head_dim)
         sK_layout = tiles.smem_layout(dtype, self.block_n, self.head_dim)
-
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sQ1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sdO1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+        # Buffers a pass does not use are not allocated: the second Q/dO stage with one stage, V in the dV
+        # pass (V only enters dP^T = V dO^T, which only dK needs).
+        bufs = [(n, sQ_layout) for n in ["sQ", "sdO"] + (["sQ1", "sdO1"] if self.stages == 2 else [])]
+        bufs += [("sK", sK_layout)] + ([("sV", sK_layout)] if self.do_dk else [])
+        SharedStorage = bc.smem_tiles_struct(dtype, dict(bufs))
 
         copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
         copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
@@ -222,19 +241,19 @@ class BwdDKDV(_BwdBase):
             n0 = n_block * BN
 
             gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, head_kv, None]), (BN, HD), (n_block, 0))
-            gV = cute.local_tile(cute.domain_offset((k_start, 0), mV[None, head_kv, None]), (BN, HD), (n_block, 0))
 
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(SharedStorage)
             sK = storage.sK.get_tensor(sK_layout)
-            sV = storage.sV.get_tensor(sK_layout)
-            # Two stages of Q / dO: tile it+1 is loaded (cp.async) while tile it is computed.
-            sQs = [storage.sQ.get_tensor(sQ_layout), storage.sQ1.get_tensor(sQ_layout)]
-            sdOs = [storage.sdO.get_tensor(sQ_layout), storage.sdO1.get_tensor(sQ_layout)]
+            # Q / dO stages: with two, tile it+1 is loaded (cp.async) while tile it is computed.
+            sQs = [storage.sQ.get_tensor(sQ_layout)]
+            sdOs = [storage.sdO.get_tensor(sQ_layout)]
+            if cutlass.const_expr(self.stages == 2):
+                sQs.append(storage.sQ1.get_tensor(sQ_layout))
+                sdOs.append(storage.sdO1.get_tensor(sQ_layout))
 
             thr_in = copy_in.get_slice(tidx)
             tKsK = thr_in.partition_D(sK)
-            tVsV = thr_in.partition_D(sV)
             tKcK = thr_in.partition_S(cute.make_identity_tensor((BN, HD)))
             tQcQ = thr_in.partition_S(cute.make_identity_tensor((BM, HD)))
             tQsQ = [thr_in.partition_D(x) for x in sQs]
@@ -244,26 +263,39 @@ class BwdDKDV(_BwdBase):
             # GEMM operands: S^T = K Q^T, dP^T = V dO^T (A from smem), dV += P^T dO, dK += dS^T Q (B = X^T).
             tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK))
             tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQs[0]))
-            tPrV = thr_mma.make_fragment_A(thr_mma.partition_A(sV))
-            tPrdO = thr_mma.make_fragment_B(thr_mma.partition_B(sdOs[0]))
-            tVrdOt = thr_mma.make_fragment_B(thr_mma.partition_B(_transposed(sdOs[0], BM, HD)))
-            tKrQt = thr_mma.make_fragment_B(thr_mma.partition_B(_transposed(sQs[0], BM, HD)))
-            acc_dK = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, HD)), cutlass.Float32)
-            acc_dV = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, HD)), cutlass.Float32)
-            acc_dK.fill(0.0)
-            acc_dV.fill(0.0)
-
             copy_a, copy_b, copy_bt = tiles.smem_tiled_copies(self.dtype, tiled_mma)
             sa = copy_a.get_slice(tidx)
             sb = copy_b.get_slice(tidx)
             sbt = copy_bt.get_slice(tidx)
             tSsK, tSrK_v = sa.partition_S(sK), sa.retile(tSrK)
-            tPsV, tPrV_v = sa.partition_S(sV), sa.retile(tPrV)
-            tSrQ_v, tPrdO_v, tVrdOt_v, tKrQt_v = sb.retile(tSrQ), sb.retile(tPrdO), sbt.retile(tVrdOt), sbt.retile(tKrQt)
+            tSrQ_v = sb.retile(tSrQ)
             tSsQ = [sb.partition_S(x) for x in sQs]
-            tPsdO = [sb.partition_S(x) for x in sdOs]
-            tVsdOt = [sbt.partition_S(_transposed(x, BM, HD)) for x in sdOs]
-            tKsQt = [sbt.partition_S(_transposed(x, BM, HD)) for x in sQs]
+
+            # Operands and accumulators of the outputs this pass computes (Python lists: the ones a pass
+            # does not need are never created).
+            tPrV, tPrdO, tKrQt, acc_dK = None, None, None, None
+            tVrdOt, acc_dV = None, None
+            sV = sK
+            if cutlass.const_expr(self.do_dk):
+                sV = storage.sV.get_tensor(sK_layout)
+                gV = cute.local_tile(cute.domain_offset((k_start, 0), mV[None, head_kv, None]), (BN, HD),
+                                     (n_block, 0))
+                tVsV = thr_in.partition_D(sV)
+                tPrV = thr_mma.make_fragment_A(thr_mma.partition_A(sV))
+                tPrdO = thr_mma.make_fragment_B(thr_mma.partition_B(sdOs[0]))
+                tKrQt = thr_mma.make_fragment_B(thr_mma.partition_B(_transposed(sQs[0], BM, HD)))
+                acc_dK = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, HD)), cutlass.Float32)
+                acc_dK.fill(0.0)
+                tPsV, tPrV_v = sa.partition_S(sV), sa.retile(tPrV)
+                tPrdO_v, tKrQt_v = sb.retile(tPrdO), sbt.retile(tKrQt)
+                tPsdO = [sb.partition_S(x) for x in sdOs]
+                tKsQt = [sbt.partition_S(_transposed(x, BM, HD)) for x in sQs]
+            if cutlass.const_expr(self.do_dv):
+                tVrdOt = thr_mma.make_fragment_B(thr_mma.partition_B(_transposed(sdOs[0], BM, HD)))
+                acc_dV = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, HD)), cutlass.Float32)
+                acc_dV.fill(0.0)
+                tVrdOt_v = sbt.retile(tVrdOt)
+                tVsdOt = [sbt.partition_S(_transposed(x, BM, HD)) for x in sdOs]
 
             # (key, query) coordinates of this thread's S^T fragment.
             cS_mn = masking.acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BN, BM))))
@@ -274,64 +306,87 @@ class BwdDKDV(_BwdBase):
             n_m = m_max - m_min
             total = group * n_m
             tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gK), tKsK, tKcK, n0, k_len)
-            tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gV), tVsV, tKcK, n0, k_len)
-            if total > 0:
-                self._load_q_do(mQ, mdO, copy_in, thr_in, tQsQ[0], tdOsdO[0], tQcQ, head_kv * group, m_min,
-                                q_start, q_len)
+            if cutlass.const_expr(self.do_dk):
+                tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gV), tVsV, tKcK, n0, k_len)
+            if cutlass.const_expr(self.stages == 2):
+                if total > 0:
+                    self._load_q_do(mQ, mdO, copy_in, thr_in, tQsQ[0], tdOsdO[0], tQcQ, head_kv * group, m_min,
+                                    q_start, q_len)
             cute.arch.cp_async_commit_group()
 
             for pair in cutlass.range((total + 1) // 2, unroll=1):
                 for par in cutlass.range_constexpr(2):
                     it = pair * 2 + par
+                    st = par % self.stages  # the stage holding tile it (Python int)
                     if it < total:
                         head = head_kv * group + it // n_m
                         m_block = m_min + it % n_m
                         m0 = m_block * BM
-                        cute.arch.barrier()  # every warp is done with the other stage (iteration it - 1)
-                        if it + 1 < total:
-                            self._load_q_do(mQ, mdO, copy_in, thr_in, tQsQ[1 - par], tdOsdO[1 - par], tQcQ,
-                                            head_kv * group + (it + 1) // n_m, m_min + (it + 1) % n_m, q_start, q_len)
+                        cute.arch.barrier()  # every warp is done with the stage this iteration overwrites
+                        if cutlass.const_expr(self.stages == 2):
+                            if it + 1 < total:
+                                self._load_q_do(mQ, mdO, copy_in, thr_in, tQsQ[1 - par], tdOsdO[1 - par], tQcQ,
+                                                head_kv * group + (it + 1) // n_m, m_min + (it + 1) % n_m, q_start,
+                                                q_len)
+                                cute.arch.cp_async_commit_group()
+                        else:
+                            self._load_q_do(mQ, mdO, copy_in, thr_in, tQsQ[0], tdOsdO[0], tQcQ, head, m_block,
+                                            q_start, q_len)
                             cute.arch.cp_async_commit_group()
                         bc.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 1)
-                        if it + 1 < total:
-                            cute.arch.cp_async_wait_group(1)
+                        if cutlass.const_expr(self.stages == 2):
+                            if it + 1 < total:
+                                cute.arch.cp_async_wait_group(1)
+                            else:
+                                cute.arch.cp_async_wait_group(0)
                         else:
                             cute.arch.cp_async_wait_group(0)
                         cute.arch.barrier()
 
                         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
                         acc_S.fill(0.0)
-                        bc.gemm_ss(tiled_mma, acc_S, copy_a, tSsK, tSrK_v, tSrK, copy_b, tSsQ[par], tSrQ_v, tSrQ)
+                        bc.gemm_ss(tiled_mma, acc_S, copy_a, tSsK, tSrK_v, tSrK, copy_b, tSsQ[st], tSrQ_v, tSrQ)
                         acc_T = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
                         need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
                         s_mn = masking.acc_mn_view(acc_S)
                         bc.probs_and_dscale(s_mn, masking.acc_mn_view(acc_T), cS_mn, lse2, m0, n0, k_len, off, left,
                                             right, score_mul, cap_mul, need, 1, self.has_softcap)
 
-                        acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
-                        acc_dP.fill(0.0)
-                        bc.gemm_ss(tiled_mma, acc_dP, copy_a, tPsV, tPrV_v, tPrV, copy_b, tPsdO[par], tPrdO_v, tPrdO)
+                        if cutlass.const_expr(self.do_dk):
+                            acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
+                            acc_dP.fill(0.0)
+                            bc.gemm_ss(tiled_mma, acc_dP, copy_a, tPsV, tPrV_v, tPrV, copy_b, tPsdO[st], tPrdO_v,
+                                       tPrdO)
 
-                        # dV += P^T dO
-                        rP = cute.make_fragment_like(acc_S, self.dtype)
-                        rP.store(acc_S.load().to(self.dtype))
-                        bc.gemm_rs(tiled_mma, acc_dV, cute.make_tensor(rP.iterator, bc.c_to_a_layout(rP.layout)),
-                                   copy_bt, tVsdOt[par], tVrdOt_v, tVrdOt)
-                        # dS^T = P^T (dP^T - Delta) [* (1 - tanh^2)];  dK += dS^T Q
-                        bc.dscores(s_mn, masking.acc_mn_view(acc_dP), masking.acc_mn_view(acc_T), delta, 1,
-                                   self.has_softcap)
-                        rdS = cute.make_fragment_like(acc_dP, self.dtype)
-                        rdS.store(acc_dP.load().to(self.dtype))
-                        bc.gemm_rs(tiled_mma, acc_dK, cute.make_tensor(rdS.iterator, bc.c_to_a_layout(rdS.layout)),
-                                   copy_bt, tKsQt[par], tKrQt_v, tKrQt)
+                        if cutlass.const_expr(self.do_dv):
+                            # dV += P^T dO
+                            rP = cute.make_fragment_like(acc_S, self.dtype)
+                            rP.store(acc_S.load().to(self.dtype))
+                            bc.gemm_rs(tiled_mma, acc_dV, cute.make_tensor(rP.iterator, bc.c_to_a_layout(rP.layout)),
+                                       copy_bt, tVsdOt[st], tVrdOt_v, tVrdOt)
+                        if cutlass.const_expr(self.do_dk):
+                            # dS^T = P^T (dP^T - Delta) [* (1 - tanh^2)];  dK += dS^T Q
+                            bc.dscores(s_mn, masking.acc_mn_view(acc_dP), masking.acc_mn_view(acc_T), delta, 1,
+                                       self.has_softcap)
+                            rdS = cute.make_fragment_like(acc_dP, self.dtype)
+                            rdS.store(acc_dP.load().to(self.dtype))
+                            bc.gemm_rs(tiled_mma, acc_dK,
+                                       cute.make_tensor(rdS.iterator, bc.c_to_a_layout(rdS.layout)),
+                                       copy_bt, tKsQt[st], tKrQt_v, tKrQt)
 
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-            gdK = cute.local_tile(cute.domain_offset((k_start, 0), mdK[None, head_kv, None]), (BN, HD), (n_block, 0))
-            gdV = cute.local_tile(cute.domain_offset((k_start, 0), mdV[None, head_kv, None]), (BN, HD), (n_block, 0))
-            bc.store_rows(acc_dK, dscale, self.dtype, tiled_mma, copy_out, sK, gdK, BN, HD, n0, k_len, tidx)
-            bc.store_rows(acc_dV, cutlass.Float32(1.0), self.dtype, tiled_mma, copy_out, sV, gdV, BN, HD, n0, k_len, tidx)
-
+            # Each output goes out through a shared tile this CTA no longer reads (dK through sK, dV through
+            # sV, or through sK when the pass has no sV).
+            if cutlass.const_expr(self.do_dk):
+                gdK = cute.local_tile(cute.domain_offset((k_start, 0), mdK[None, head_kv, None]), (BN, HD),
+                                      (n_block, 0))
+                bc.store_rows(acc_dK, dscale, self.dtype, tiled_mma, copy_out, sK, gdK, BN, HD, n0, k_len, tidx)
+            if cutlass.const_expr(self.do_dv):
+                gdV = cute.local_tile(cute.domain_offset((k_start, 0), mdV[None, head_kv, None]), (BN, HD),
+                                      (n_block, 0))
+                bc.store_rows(acc_dV, cutlass.Float32(1.0), self.dtype, tiled_mma, copy_out, sV, gdV, BN, HD, n0,
+                              k_len, tidx)
 
     @cute.jit
     def _load_q_do(self, mQ, mdO, copy_in, thr_in, tQsQ, tdOsdO, tQcQ, head, m_block, q_start, q_len):
@@ -373,15 +428,9 @@ class BwdDQ(_BwdBase):
         dtype = self.dtype
         sQ_layout = tiles.smem_layout(dtype, self.block_m, self.head_dim)
         sK_layout = tiles.smem_layout(dtype, self.block_n, self.head_dim)
-
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-            sK1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-            sV1: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+        names = ["sK", "sV"] + (["sK1", "sV1"] if self.stages == 2 else [])
+        SharedStorage = bc.smem_tiles_struct(
+            dtype, dict([("sQ", sQ_layout), ("sdO", sQ_layout)] + [(n, sK_layout) for n in names]))
 
         copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
         copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
@@ -446,9 +495,12 @@ class BwdDQ(_BwdBase):
             storage = smem.allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)
             sdO = storage.sdO.get_tensor(sQ_layout)
-            # Two stages of K / V: tile it+1 is loaded (cp.async) while tile it is computed.
-            sKs = [storage.sK.get_tensor(sK_layout), storage.sK1.get_tensor(sK_layout)]
-            sVs = [storage.sV.get_tensor(sK_layout), storage.sV1.get_tensor(sK_layout)]
+            # K / V stages: with two, tile it+1 is loaded (cp.async) while tile it is computed.
+            sKs = [storage.sK.get_tensor(sK_layout)]
+            sVs = [storage.sV.get_tensor(sK_layout)]
+            if cutlass.const_expr(self.stages == 2):
+                sKs.append(storage.sK1.get_tensor(sK_layout))
+                sVs.append(storage.sV1.get_tensor(sK_layout))
 
             thr_in = copy_in.get_slice(tidx)
             tQsQ = thr_in.partition_D(sQ)
@@ -489,32 +541,44 @@ class BwdDQ(_BwdBase):
             total = n_max - n_min
             tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gQ), tQsQ, tQcQ, m0, q_len)
             tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gdO), tdOsdO, tQcQ, m0, q_len)
-            if total > 0:
-                tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_max - 1], tKsK[0], tKcK, (n_max - 1) * BN, k_len)
-                tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_max - 1], tVsV[0], tKcK, (n_max - 1) * BN, k_len)
+            if cutlass.const_expr(self.stages == 2):
+                if total > 0:
+                    tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_max - 1], tKsK[0], tKcK,
+                                              (n_max - 1) * BN, k_len)
+                    tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_max - 1], tVsV[0], tKcK,
+                                              (n_max - 1) * BN, k_len)
             cute.arch.cp_async_commit_group()
 
             for pair in cutlass.range((total + 1) // 2, unroll=1):
                 for par in cutlass.range_constexpr(2):
                     it = pair * 2 + par
+                    st = par % self.stages  # the stage holding tile it (Python int)
                     if it < total:
                         n_block = n_max - 1 - it
                         n0 = n_block * BN
-                        cute.arch.barrier()  # every warp is done with the other stage (iteration it - 1)
-                        if it + 1 < total:
-                            tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_block - 1], tKsK[1 - par], tKcK,
-                                                      n0 - BN, k_len)
-                            tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_block - 1], tVsV[1 - par], tKcK,
-                                                      n0 - BN, k_len)
-                            cute.arch.cp_async_commit_group()
-                            cute.arch.cp_async_wait_group(1)
+                        cute.arch.barrier()  # every warp is done with the stage this iteration overwrites
+                        if cutlass.const_expr(self.stages == 2):
+                            if it + 1 < total:
+                                tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_block - 1], tKsK[1 - par],
+                                                          tKcK, n0 - BN, k_len)
+                                tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_block - 1], tVsV[1 - par],
+                                                          tKcK, n0 - BN, k_len)
+                                cute.arch.cp_async_commit_group()
+                                cute.arch.cp_async_wait_group(1)
+                            else:
+                                cute.arch.cp_async_wait_group(0)
                         else:
+                            tiles.load_rows_zero_fill(copy_in, tKgK[None, None, None, n_block], tKsK[0], tKcK, n0,
+                                                      k_len)
+                            tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_block], tVsV[0], tKcK, n0,
+                                                      k_len)
+                            cute.arch.cp_async_commit_group()
                             cute.arch.cp_async_wait_group(0)
                         cute.arch.barrier()
 
                         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
                         acc_S.fill(0.0)
-                        bc.gemm_ss(tiled_mma, acc_S, copy_a, tSsQ, tSrQ_v, tSrQ, copy_b, tSsK[par], tSrK_v, tSrK)
+                        bc.gemm_ss(tiled_mma, acc_S, copy_a, tSsQ, tSrQ_v, tSrQ, copy_b, tSsK[st], tSrK_v, tSrK)
                         acc_T = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
                         need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
                         s_mn = masking.acc_mn_view(acc_S)
@@ -523,13 +587,13 @@ class BwdDQ(_BwdBase):
 
                         acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
                         acc_dP.fill(0.0)
-                        bc.gemm_ss(tiled_mma, acc_dP, copy_a, tPsdO, tPrdO_v, tPrdO, copy_b, tPsV[par], tPrV_v, tPrV)
+                        bc.gemm_ss(tiled_mma, acc_dP, copy_a, tPsdO, tPrdO_v, tPrdO, copy_b, tPsV[st], tPrV_v, tPrV)
                         bc.dscores(s_mn, masking.acc_mn_view(acc_dP), masking.acc_mn_view(acc_T), delta, 0,
                                    self.has_softcap)
                         rdS = cute.make_fragment_like(acc_dP, self.dtype)
                         rdS.store(acc_dP.load().to(self.dtype))
                         bc.gemm_rs(tiled_mma, acc_dQ, cute.make_tensor(rdS.iterator, bc.c_to_a_layout(rdS.layout)),
-                                   copy_bt, tQsKt[par], tQrKt_v, tQrKt)
+                                   copy_bt, tQsKt[st], tQrKt_v, tQrKt)
 
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()

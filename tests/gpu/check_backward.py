@@ -1,6 +1,10 @@
 """GPU check of the CuTe backward kernels against a float64 reference (run on a CUDA machine).
 
-    PYTHONPATH=. python tests/gpu/check_backward.py [--quick] [--json out.json]
+    PYTHONPATH=. python tests/gpu/check_backward.py [--quick] [--json out.json] [--head-dims 192,256]
+        [--dtypes bf16] [--no-long]
+
+--head-dims restricts the head dims (default: every head dim the library has a backward kernel for;
+--quick: 64 and 128 of those); --dtypes the dtypes; --no-long skips the long-sequence cases.
 
 For every dtype x head dim x feature set (plain, causal top-left / bottom-right, window, window + causal
 bottom-right, softcap, negative and zero scale) on a packed batch with irregular lengths (0, 1, 127, 129,
@@ -358,6 +362,9 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--lowering", action="store_true", help="only the CPU-side lowering check (no GPU needed)")
+    ap.add_argument("--head-dims", help="comma-separated head dims (default: every built one)")
+    ap.add_argument("--dtypes", help="comma-separated dtypes among bf16, fp16")
+    ap.add_argument("--no-long", action="store_true", help="skip the long-sequence cases")
     a = ap.parse_args()
     if a.lowering:
         return check_lowering() | check_emulation()
@@ -370,9 +377,18 @@ def main():
     rng = np.random.default_rng(0)
     results = []
     dims = sorted({h for (_, _, h, _) in bwd_ops.built_variants()}) or [64, 128]
-    if a.quick:
+    if a.head_dims:
+        want = [int(x) for x in a.head_dims.split(",") if x.strip()]
+        missing = [d for d in want if d not in dims]
+        if missing:
+            print(f"FAIL: the library has no backward kernel for head dims {missing} (built: {dims})")
+            return 1
+        dims = want
+    elif a.quick:
         dims = [d for d in dims if d in (64, 128)]
     dtypes = ("bf16",) if a.quick else ("bf16", "fp16")
+    if a.dtypes:
+        dtypes = tuple(x for x in a.dtypes.split(",") if x.strip())
     feats = ("plain", "causal_br", "softcap_causal") if a.quick else tuple(FEATURES)
     poisons = ("nan", "huge") if a.quick else tuple(POISONS)
     t0 = time.time()
@@ -386,9 +402,10 @@ def main():
                 results.append(r)
                 print(("FAIL " if r["fails"] else "ok   ") + f"{dtype} hd{H} {r['name']}: {r['errs']} {r['fails']}",
                       flush=True)
-    longs = (("bf16", 128),) if a.quick else (("bf16", 64), ("bf16", 128), ("fp16", 128))
+    longs = (("bf16", 128),) if a.quick else (("bf16", 64), ("bf16", 128), ("fp16", 128), ("bf16", 192),
+                                               ("bf16", 256), ("fp16", 256))
     for dtype, H in longs:
-        if H not in dims:
+        if H not in dims or dtype not in dtypes or a.no_long:
             continue
         batch = packed_batch(rng, q_lens=[4095, 1, 2000], k_lens=[4095, 3000, 1999], q_gaps=[1, 0, 0],
                              k_gaps=[0, 5, 0], tail=3, N=7, K=1, H=H)
