@@ -31,32 +31,13 @@ def online_softmax_step(
     exactly 1.0, and skipping a multiplication by 1.0 changes no bit): after the first tiles this
     saves one FMUL per O accumulator element per tile."""
     alpha = cute.make_rmem_tensor(row_max.layout, cutlass.Float32)
+    online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul)
     changed = cutlass.Boolean(False)
     for r in cutlass.range_constexpr(cute.size(row_max)):
-        row = s_mn[r, None].load()
-        m_tile = quad_allreduce(
-            row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0),
-            lambda a, b: cute.arch.fmax(a, b),
-        )
-        m_old = row_max[r]
-        m_new = cute.arch.fmax(m_old, m_tile)
-        # A row with nothing visible so far keeps m = -inf; subtract 0 instead so that
-        # exp2(-inf - m_safe) = 0 and never exp2(-inf + inf).
-        m_safe = m_new
-        if m_new == -cutlass.Float32.inf:
-            m_safe = cutlass.Float32(0.0)
-        m_scaled = m_safe * mul
-        p = cute.math.exp2(row * mul - m_scaled, fastmath=True)
-        a = cute.math.exp2(m_old * mul - m_scaled, fastmath=True)
-        if a != 1.0:
+        if alpha[r] != 1.0:
             changed = cutlass.Boolean(True)
-        alpha[r] = a
-        row_sum[r] = row_sum[r] * a + p.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
-        row_max[r] = m_new
-        s_mn[r, None] = p
     if cute.arch.vote_any_sync(changed):
-        for r in cutlass.range_constexpr(cute.size(row_max)):
-            o_mn[r, None] = o_mn[r, None].load() * alpha[r]
+        rescale_rows(o_mn, alpha)
 
 
 @cute.jit
@@ -83,8 +64,9 @@ def finalize(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse:
 def online_softmax_step_alpha(
     s_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor, mul: cutlass.Float32
 ):
-    """`online_softmax_step` without touching O: the per-row rescale factors go to `alpha`, for a
-    caller whose O accumulator is still being written by an in-flight GEMM (apply with rescale_rows)."""
+    """One online-softmax step without touching O: s becomes probabilities in place, (m, l) are
+    updated, and the per-row rescale factors go to `alpha`.  Used directly by a caller whose O
+    accumulator is still being written by an in-flight GEMM (apply with rescale_rows later)."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = s_mn[r, None].load()
         m_tile = quad_allreduce(
@@ -93,7 +75,8 @@ def online_softmax_step_alpha(
         )
         m_old = row_max[r]
         m_new = cute.arch.fmax(m_old, m_tile)
-        # As in online_softmax_step: an all-masked row so far subtracts 0, never -inf - -inf.
+        # A row with nothing visible so far keeps m = -inf; subtract 0 instead so that
+        # exp2(-inf - m_safe) = 0 and never exp2(-inf + inf).
         m_safe = m_new
         if m_new == -cutlass.Float32.inf:
             m_safe = cutlass.Float32(0.0)
