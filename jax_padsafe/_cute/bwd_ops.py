@@ -16,9 +16,7 @@ instead of 5; 8 with the split dK/dV kernel).
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import threading
 
 import numpy as np
 
@@ -29,38 +27,13 @@ from . import ops
 
 TARGET_NAME = "jax_padsafe_bwd"
 _DEFAULT_HEAD_DIMS = (64, 96, 128, 192, 256)  # = kernels.bwd_build.BWD_HEAD_DIMS
-_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=None)
 def _load():
-    """Load the library (the same file as the forward's) and register the backward target; None if absent."""
-    path = ops.library_path()
-    if not path.is_file():
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError:
-        return None
-    for name in ("jps_bwd_initialize", "jps_bwd_execute", "jps_num_bwd_variants", "jps_bwd_variant"):
-        if not hasattr(lib, name):
-            return None
-    lib.jps_num_bwd_variants.restype = ctypes.c_int
-    variants = []
-    for i in range(lib.jps_num_bwd_variants()):
-        vals = [ctypes.c_int() for _ in range(4)]
-        if lib.jps_bwd_variant(i, *[ctypes.byref(x) for x in vals]) == 0:
-            variants.append(tuple(x.value for x in vals))  # (arch, dtype code, head_dim, softcap)
-    with _lock:
-        jax.ffi.register_ffi_target(
-            TARGET_NAME,
-            {
-                "initialize": jax.ffi.pycapsule(lib.jps_bwd_initialize),
-                "execute": jax.ffi.pycapsule(lib.jps_bwd_execute),
-            },
-            platform="CUDA",
-        )
-    return lib, tuple(variants)
+    """The backward target (same library file as the forward's), loaded and registered once; None
+    if unavailable."""
+    return ops.load_kernel_target("bwd", TARGET_NAME)
 
 
 def backward_available() -> bool:

@@ -50,9 +50,14 @@ def library_path() -> Path:
     return here
 
 
-@functools.lru_cache(maxsize=None)
-def _load():
-    """Load the library and register the FFI target once; None if unavailable."""
+def load_kernel_target(kind: str, target_name: str):
+    """Load the kernel library and register one of its FFI targets (``kind`` "fwd" or "bwd").
+
+    The library exports, per kind, ``jps_<kind>_initialize`` / ``jps_<kind>_execute`` (the XLA FFI
+    handlers) and ``jps_num_<kind>_variants`` / ``jps_<kind>_variant(i, &arch, &dtype, &head_dim,
+    &softcap)`` (what it was built for).  Returns (lib, variants) with one (arch, dtype code,
+    head_dim, softcap) entry per combination, whichever kernel family serves it, or None when the
+    library or one of those symbols is missing."""
     path = library_path()
     if not path.is_file():
         return None
@@ -60,27 +65,31 @@ def _load():
         lib = ctypes.CDLL(str(path))
     except OSError:
         return None
-    for name in ("jps_fwd_initialize", "jps_fwd_execute", "jps_num_fwd_variants", "jps_fwd_variant"):
-        if not hasattr(lib, name):
-            return None
-    lib.jps_num_fwd_variants.restype = ctypes.c_int
+    names = (f"jps_{kind}_initialize", f"jps_{kind}_execute", f"jps_num_{kind}_variants", f"jps_{kind}_variant")
+    if not all(hasattr(lib, name) for name in names):
+        return None
+    initialize, execute, count, describe = (getattr(lib, name) for name in names)
+    count.restype = ctypes.c_int
     variants = []
-    for i in range(lib.jps_num_fwd_variants()):
+    for i in range(count()):
         vals = [ctypes.c_int() for _ in range(4)]
-        if lib.jps_fwd_variant(i, *[ctypes.byref(x) for x in vals]) == 0:
-            v = tuple(x.value for x in vals)  # (arch, dtype code, head_dim, softcap)
-            if v not in variants:  # one entry per combination, whichever kernel family serves it
+        if describe(i, *[ctypes.byref(x) for x in vals]) == 0:
+            v = tuple(x.value for x in vals)
+            if v not in variants:
                 variants.append(v)
     with _lock:
         jax.ffi.register_ffi_target(
-            TARGET_NAME,
-            {
-                "initialize": jax.ffi.pycapsule(lib.jps_fwd_initialize),
-                "execute": jax.ffi.pycapsule(lib.jps_fwd_execute),
-            },
+            target_name,
+            {"initialize": jax.ffi.pycapsule(initialize), "execute": jax.ffi.pycapsule(execute)},
             platform="CUDA",
         )
     return lib, tuple(variants)
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    """The forward target, loaded and registered once; None if unavailable."""
+    return load_kernel_target("fwd", TARGET_NAME)
 
 
 def library_available() -> bool:
