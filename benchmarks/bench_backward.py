@@ -11,27 +11,13 @@ forward).  Timing: 2 warm-up calls, median of 5 rounds of `iters` back-to-back c
 import argparse
 import json
 import os
-import time
 
-import numpy as np
 
 import jax
 import jax.numpy as jnp
 
 from jax_padsafe._cute import bwd_ops, ops
-
-
-def bench(fn, *args, iters=10):
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(iters):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        ts.append((time.perf_counter() - t) / iters)
-    return float(np.median(ts))
+from bench_forward import bench  # the benchmarks' one timing rule
 
 
 def cute_fwd_bwd(B, S, causal, scale, deterministic=False):

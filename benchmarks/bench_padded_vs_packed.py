@@ -9,13 +9,12 @@ Reported: milliseconds of each and padded / packed - 1 (the overhead of padding)
 
     PYTHONPATH=. python benchmarks/bench_padded_vs_packed.py [--out F] [--seqs 2048,8192] [--dims 128]
 
-Timing: jit, 2 warm-up calls, median of 5 rounds of `iters` back-to-back calls.
+Timing: `bench_forward.bench` (jit, 2 warm-up calls, median of 5 rounds of back-to-back calls).
 """
 
 import argparse
 import json
 import os
-import time
 
 import numpy as np
 
@@ -23,19 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_padsafe
-
-
-def bench(fn, *args, iters=10):
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(5):
-    t = time.perf_counter()
-    for _ in range(iters):
-      r = fn(*args)
-    jax.block_until_ready(r)
-    ts.append((time.perf_counter() - t) / iters)
-  return float(np.median(ts)) * 1e3
+from bench_forward import bench  # the benchmarks' one timing rule (seconds)
 
 
 def with_grad(f):
@@ -65,10 +52,10 @@ def case(rng, dim, seq, causal, tokens, dtype):
 
   row = dict(head_dim=dim, seq=seq, batch=batch, heads=heads, causal=causal,
              padding_frac=round(1 - lens.sum() / (batch * seq), 3))
-  row["padded_fwd_ms"] = bench(jax.jit(padded), q, k, v)
-  row["packed_fwd_ms"] = bench(jax.jit(packed), pq, pk, pv)
-  row["padded_fwdbwd_ms"] = bench(with_grad(padded), q, k, v)
-  row["packed_fwdbwd_ms"] = bench(with_grad(packed), pq, pk, pv)
+  row["padded_fwd_ms"] = bench(jax.jit(padded), q, k, v) * 1e3
+  row["packed_fwd_ms"] = bench(jax.jit(packed), pq, pk, pv) * 1e3
+  row["padded_fwdbwd_ms"] = bench(with_grad(padded), q, k, v) * 1e3
+  row["packed_fwdbwd_ms"] = bench(with_grad(packed), pq, pk, pv) * 1e3
   row["fwd_overhead"] = row["padded_fwd_ms"] / row["packed_fwd_ms"] - 1
   row["fwdbwd_overhead"] = row["padded_fwdbwd_ms"] / row["packed_fwdbwd_ms"] - 1
   return row
