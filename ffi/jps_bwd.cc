@@ -2,8 +2,9 @@
 //
 // Target "jax_padsafe_bwd" (platform CUDA), FFI API of the oldest supported jaxlib (0.10.2 -> 0.3).
 //   initialize: loads the backward kernel modules for this device's architecture (once, mutex).
-//   execute:    validates shapes; zero-fills dq, dk, dv and the Delta workspace (stream-ordered memsets:
-//               padded rows are zero by construction, nothing is left to the allocator); launches
+//   execute:    validates shapes; zero-fills the Delta workspace and dq, dk, dv (stream-ordered memsets:
+//               padded rows are zero by construction, nothing is left to the allocator; the gradients'
+//               memsets are skipped when the sm90 kernels' tiles cover every row, see rows_covered); launches
 //               preprocess (Delta), dK/dV (or, for variants with a `dk` entry, a dV pass then a dK pass),
 //               dQ.  No atomics, no fp32 global accumulator: deterministic.
 #include <array>
@@ -87,7 +88,7 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                       ffi::Buffer<ffi::S32> used_k, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                       ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta, float scale,
                       float softcap, int32_t window_left, int32_t window_right, int32_t causal, int32_t bottom_right,
-                      int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t deterministic) {
+                      int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t deterministic, int32_t rows_covered) {
   (void)deterministic;  // this design is deterministic in every mode (no atomics)
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 3 || kd.size() != 3) return Invalid("expected q/k/v of rank 3");
@@ -118,13 +119,20 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   if (!(scale > 0.0f) || std::isinf(scale) || !(softcap >= 0.0f) || std::isinf(softcap))
     return Invalid("scale must be finite and > 0, softcap finite and >= 0");
 
-  // Zero every output and the Delta workspace: padded rows stay exactly 0, nothing comes from the allocator.
-  cudaError_t err = cudaMemsetAsync(dq->untyped_data(), 0, dq->size_bytes(), stream);
-  if (err == cudaSuccess) err = cudaMemsetAsync(dk->untyped_data(), 0, dk->size_bytes(), stream);
-  if (err == cudaSuccess) err = cudaMemsetAsync(dv->untyped_data(), 0, dv->size_bytes(), stream);
-  if (err == cudaSuccess) err = cudaMemsetAsync(delta->untyped_data(), 0, delta->size_bytes(), stream);
-  if (err != cudaSuccess) return ffi::Error::Internal(std::string("jax_padsafe_bwd: memset: ") + cudaGetErrorString(err));
-  if (total_q == 0 || total_k == 0 || B == 0 || N == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) return ffi::Error::Success();
+  // Padded rows stay exactly 0 and nothing comes from the allocator: the Delta workspace is always
+  // zeroed; dq/dk/dv are zeroed unless the chosen kernels write every row themselves (below).
+  auto zero = [&](void *p, size_t bytes) -> ffi::Error {
+    cudaError_t err = cudaMemsetAsync(p, 0, bytes, stream);
+    if (err != cudaSuccess) return ffi::Error::Internal(std::string("jax_padsafe_bwd: memset: ") + cudaGetErrorString(err));
+    return ffi::Error::Success();
+  };
+  auto zero_grads = [&]() -> ffi::Error {
+    if (ffi::Error e = zero(dq->untyped_data(), dq->size_bytes()); e.failure()) return e;
+    if (ffi::Error e = zero(dk->untyped_data(), dk->size_bytes()); e.failure()) return e;
+    return zero(dv->untyped_data(), dv->size_bytes());
+  };
+  if (ffi::Error e = zero(delta->untyped_data(), delta->size_bytes()); e.failure()) return e;
+  if (total_q == 0 || total_k == 0 || B == 0 || N == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) return zero_grads();
 
   int arch = 0;
   if (ffi::Error e = BwdArch(&arch); e.failure()) return e;
@@ -143,6 +151,13 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "jax_padsafe_bwd: no backward kernel built for head_dim " + std::to_string(H) + ", dtype " +
                           (dtype ? "float16" : "bfloat16") + ", softcap " + std::to_string(cap) + " on sm_" + std::to_string(arch));
+
+  // The sm90 family writes every row of its dQ and dK/dV tiles up to the sequence's slot end
+  // (cu_seqlens[b+1]), rows past the used length and tiles nothing sees as zeros.  When the caller
+  // promises those tiles cover every row (rows_covered: the dense padded layout), the three memsets
+  // (a full extra write of each gradient) are skipped.
+  if (!(rows_covered && var->family == 1))
+    if (ffi::Error e = zero_grads(); e.failure()) return e;
 
   const float log2e = 1.4426950408889634f;
   JpsBwdArgs a{};
@@ -206,7 +221,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_execute, BwdExecute,
                                   .Attr<int32_t>("bottom_right")
                                   .Attr<int32_t>("max_seqlen_q")
                                   .Attr<int32_t>("max_seqlen_k")
-                                  .Attr<int32_t>("deterministic"),
+                                  .Attr<int32_t>("deterministic")
+                                  .Attr<int32_t>("rows_covered"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 JPS_EXPORT int jps_num_bwd_variants() { return kJpsNumBwdVariants; }

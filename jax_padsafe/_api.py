@@ -115,7 +115,7 @@ def dot_product_attention(
 
   spec = _make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
                     bottom_right=causal_alignment == "bottom_right", max_seqlen_q=t, max_seqlen_k=s,
-                    deterministic=bool(deterministic))
+                    deterministic=bool(deterministic), dense_rows=query_segment_ids is None)
   # The kernels see the padded layout as runs of rows per batch row (_packing): one per row for
   # lengths, one per packed segment for segment ids.
   segments_reason, kernel_args = None, None
@@ -223,11 +223,12 @@ def varlen_attention(
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _run(spec, backend, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
   # Jitted so that eager calls compile once per configuration (under an outer jit it is inlined).
-  # Sanitise before any arithmetic: padded rows become exact zeros by select. Gradients flow back
-  # through the select, which routes exact zeros to the padded rows.
-  q = _masking.zero_invalid_rows(q, q_seg)
-  k = _masking.zero_invalid_rows(k, k_seg)
-  v = _masking.zero_invalid_rows(v, k_seg)
+  # The pure-JAX path sanitises before any arithmetic: padded rows become exact zeros by select, and
+  # gradients flow back through the select, which routes exact zeros to the padded rows. The
+  # kernels need no such pass (three extra reads and writes of q/k/v, and three more of the
+  # gradients): they never compute from padded rows and zero the padded outputs themselves.
+  if not backend.reads_padding_safely:
+    q, k, v = _masking.zero_padded_inputs(q, k, v, q_seg, k_seg)
   return _xla.attention(spec, backend, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos,
                         kernel_args)
 

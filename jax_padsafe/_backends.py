@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import custom_batching
 from jax import lax
 
+from jax_padsafe import _masking
 from jax_padsafe import _xla
 from jax_padsafe._spec import AttentionSpec
 
@@ -120,7 +121,8 @@ def _kernel_static_args(spec: AttentionSpec):
       scale=float(spec.scale), causal=spec.causal, bottom_right=spec.bottom_right,
       window_left=-1 if spec.window_left is None else spec.window_left,
       window_right=-1 if spec.window_right is None else spec.window_right,
-      softcap=0.0 if spec.softcap is None else float(spec.softcap))
+      softcap=0.0 if spec.softcap is None else float(spec.softcap),
+      rows_covered=spec.dense_rows and not spec.packed)
 
 
 def _run_kernel_or_fallback(kernel_args, on_cuda, elsewhere, *operands):
@@ -154,6 +156,7 @@ def cute_forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_a
     return _kernel_call("fwd_runs", static)(q, k, v, *_runs_args(kernel_args))
 
   def elsewhere(q, k, v):
+    q, k, v = _masking.zero_padded_inputs(q, k, v, q_seg, k_seg)
     return _xla.forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos)
 
   return _run_kernel_or_fallback(kernel_args, on_cuda, elsewhere, q, k, v)
@@ -177,8 +180,8 @@ def cute_backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_
                   dlse):
   """Backward on the GPU kernels (CUDA) where built and supported, else the pure-JAX backward."""
   if _backward_kernel_ops(spec, q, k) is None or bias is not None or mask is not None:
-    return _xla.xla_backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args, o,
-                             lse, do, dlse)
+    return _pure_jax_backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, o, lse, do,
+                              dlse)
   static = tuple(sorted(dict(_kernel_static_args(spec), deterministic=spec.deterministic).items()))
 
   def on_cuda(q, k, v, o, lse, do, dlse):
@@ -190,12 +193,23 @@ def cute_backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_
     return _kernel_call("bwd_runs", static)(q, k, v, o, lse, do, dlse, *_runs_args(kernel_args))
 
   def elsewhere(q, k, v, o, lse, do, dlse):
-    return _xla.backward(spec, q, k, v, None, None, q_seg, k_seg, q_pos, k_pos, o, lse, do,
-                         dlse)[:3]
+    return _pure_jax_backward(spec, q, k, v, None, None, q_seg, k_seg, q_pos, k_pos, o, lse, do,
+                              dlse)[:3]
 
   do = do.astype(q.dtype)
   dq, dk, dv = _run_kernel_or_fallback(kernel_args, on_cuda, elsewhere, q, k, v, o, lse, do, dlse)
   return dq, dk, dv, None
 
 
-CUTE = _xla.Backend("cute", cute_forward, cute_backward)
+def _pure_jax_backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
+  """The pure-JAX backward inside the kernel backend, which gets q/k/v unsanitised (see
+  ``Backend.reads_padding_safely``): padded input rows are zeroed first, and the padded rows of
+  the gradients are zeroed after (what the select in front of the pure-JAX path does by its VJP)."""
+  q, k, v = _masking.zero_padded_inputs(q, k, v, q_seg, k_seg)
+  dq, dk, dv, dbias = _xla.backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, o, lse,
+                                    do, dlse)
+  dq, dk, dv = _masking.zero_padded_inputs(dq, dk, dv, q_seg, k_seg)
+  return dq, dk, dv, dbias
+
+
+CUTE = _xla.Backend("cute", cute_forward, cute_backward, reads_padding_safely=True)

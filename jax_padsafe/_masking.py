@@ -47,3 +47,9 @@ def select_rows(x, valid):
 def zero_invalid_rows(x, seg):
   """Replace rows of ``x [B, L, ...]`` whose segment is negative by exact zeros (a select)."""
   return select_rows(x, row_is_valid(seg))
+
+
+def zero_padded_inputs(q, k, v, q_seg, k_seg):
+  """``(q, k, v)`` with their padded rows replaced by exact zeros: what the pure-JAX path needs
+  before any arithmetic (it computes on whole blocks, padded rows included)."""
+  return (zero_invalid_rows(q, q_seg), zero_invalid_rows(k, k_seg), zero_invalid_rows(v, k_seg))

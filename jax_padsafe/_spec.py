@@ -39,6 +39,10 @@ class AttentionSpec:
   packed: bool = False  # packed (varlen) layout: canonical B == 1 holding every sequence
   max_seqlen_q: int | None = None
   max_seqlen_k: int | None = None
+  # The kernels' view of the rows is dense: batch row b owns query rows [b*T, (b+1)*T) and key rows
+  # [b*S, (b+1)*S) as one sequence (the lengths path). Then the kernels' tiles cover every row, and
+  # kernels that write their tiles' padded rows as zeros need no memset of o/dq/dk/dv first.
+  dense_rows: bool = False
 
   @property
   def has_window(self) -> bool:

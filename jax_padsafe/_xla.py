@@ -275,10 +275,16 @@ class Backend:
   ``backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args, o, lse, do, dlse)
   -> (dq, dk, dv, dbias)``. ``kernel_args`` holds the packed-layout view (cu_seqlens, seqused)
   that the GPU kernels take; the pure-JAX functions ignore it.
+
+  ``reads_padding_safely``: the backend never computes from padded rows of q/k/v (the kernels
+  load them with predicated zero-fill or zero them in shared memory, and mask by select) and
+  writes exact zeros to the padded rows of o/dq/dk/dv itself, so the caller need not zero padded
+  input rows first. The pure-JAX functions need that zeroing (``_api._run`` does it for them).
   """
   name: str
   forward: Callable
   backward: Callable
+  reads_padding_safely: bool = False
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -569,8 +569,9 @@ def _block_route(cfg, q_seg, k_seg, q_pos, k_pos):
 
 
 def _kernel_static(cfg, causal, tq, tk):
+  # Runs from segment ids leave gaps between them: the kernels must memset their outputs.
   spec = dataclasses.replace(cfg.spec, causal=causal, bottom_right=False, max_seqlen_q=tq,
-                             max_seqlen_k=tk)
+                             max_seqlen_k=tk, dense_rows=False)
   return _backends._kernel_static_args(spec)  # pylint: disable=protected-access
 
 

@@ -59,6 +59,46 @@ def test_default_prefers_kernels_and_gradient_keeps_them(kernels_built):
   assert TARGET in grad_targets and "jax_padsafe_bwd" in grad_targets
 
 
+def _rows_covered(text):
+  return [int(x) for x in re.findall(r"rows_covered = (\d+) : i32", text)]
+
+
+def test_lengths_path_promises_covered_rows_and_skips_input_sanitising(kernels_built):
+  """The lengths path (dense [B, T] slots) tells both kernels rows_covered=1, so the sm90 kernels' own
+  zero rows replace the output memsets; and no select pass over q/k/v/dq/dk/dv surrounds the calls (the
+  kernels never compute from padded rows; the pure-JAX path keeps its sanitising select)."""
+  lens = jnp.array([16, 5], jnp.int32)
+
+  def loss(q, k, v):
+    o = jax_padsafe.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lens,
+                                          key_value_seq_lengths=jnp.array([24, 3], jnp.int32))
+    return jnp.sum(o.astype(jnp.float32))
+
+  text = _lowered(jax.grad(loss, (0, 1, 2)), *_qkv())
+  assert _targets(text) == [TARGET, "jax_padsafe_bwd"]
+  assert _rows_covered(text) == [1, 1]
+  big_selects = re.findall(r"stablehlo\.select .*tensor<2x(?:16|24)x\d+x64xi1>", text)
+  assert not big_selects
+  assert re.findall(r"stablehlo\.select", _lowered(jax.grad(loss, (0, 1, 2)), *_qkv(), platform="cpu"))
+
+
+def test_gapped_layouts_keep_the_memset(kernels_built):
+  """Packed varlen rows (a tail past cu_seqlens[-1] is allowed) and segment-id runs (gaps between runs)
+  are not covered by the kernels' tiles: rows_covered=0, the handler zeroes the outputs first."""
+  q = jax.ShapeDtypeStruct((40, 8, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((40, 2, 64), jnp.bfloat16)
+  cu = jnp.array([0, 10, 31], jnp.int32)
+  f = lambda q, k, v: jax_padsafe.varlen_attention(q, k, v, cu, cu, max_seqlen_q=21, max_seqlen_k=21,
+                                                   is_causal=True)
+  assert _rows_covered(_lowered(f, q, kv, kv)) == [0]
+  seg = jnp.array([[0] * 6 + [1] * 6 + [-1] * 4, [0] * 16], jnp.int32)
+  kseg = jnp.array([[0] * 10 + [1] * 10 + [-1] * 4, [0] * 24], jnp.int32)
+  g = lambda q, k, v: jax_padsafe.dot_product_attention(
+      q, k, v, query_segment_ids=seg, key_value_segment_ids=kseg)
+  text = _lowered(g, *_qkv())
+  assert TARGET in _targets(text) and _rows_covered(text) == [0]
+
+
 @pytest.mark.parametrize("h", [192, 256])
 def test_backward_large_head_dims_reach_kernels(kernels_built, h):
   """Head dims 192 and 256 have backward kernels (two dK/dV passes) in the default build."""

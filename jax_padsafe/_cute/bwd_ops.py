@@ -85,8 +85,13 @@ def _check(cond, exc, msg):
 
 def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *,
                    max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, bottom_right: bool,
-                   window_left: int, window_right: int, softcap: float, deterministic: bool = False):
-    """Gradients (dq, dk, dv) of `ops.flash_forward` on the packed layout; see the module docstring."""
+                   window_left: int, window_right: int, softcap: float, deterministic: bool = False,
+                   rows_covered: bool = False):
+    """Gradients (dq, dk, dv) of `ops.flash_forward` on the packed layout; see the module docstring.
+
+    `rows_covered=True` promises that cu_seqlens_q/k start at 0, end at total_q/total_k, and have no
+    segment longer than max_seqlen_q/k: then the kernels' tiles cover every row, and kernels that zero
+    their tiles' rows past the used length (the sm90 family) skip the memsets of dq, dk, dv."""
     _check(q.ndim == 3 and k.ndim == 3 and v.ndim == 3, ValueError,
            f"q, k, v must be [total, heads, head_dim], got ranks {q.ndim}, {k.ndim}, {v.ndim}")
     total_q, n, h = q.shape
@@ -142,6 +147,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, sequse
         max_seqlen_q=np.int32(max_seqlen_q),
         max_seqlen_k=np.int32(max_seqlen_k),
         deterministic=np.int32(bool(deterministic)),
+        rows_covered=np.int32(bool(rows_covered)),
     )
     if zero_scale:
         dq, dk = jnp.zeros_like(dq), jnp.zeros_like(dk)

@@ -145,12 +145,17 @@ def _check(cond, exc, msg):
 
 def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, max_seqlen_q: int,
                   max_seqlen_k: int, scale: float, causal: bool, bottom_right: bool, window_left: int,
-                  window_right: int, softcap: float):
+                  window_right: int, softcap: float, rows_covered: bool = False):
     """Pad-safe flash-attention forward on the packed layout; see the module docstring.
 
     `max_seqlen_q` must be >= every segment length cu_seqlens_q[b+1] - cu_seqlens_q[b]: the grid covers
     ceil(max_seqlen_q / block_m) query tiles per sequence, and query rows beyond it are left at 0.
-    `max_seqlen_k` is validated but not needed by the kernel (its K loop bounds come from the lengths)."""
+    `max_seqlen_k` is validated but not needed by the kernel (its K loop bounds come from the lengths).
+
+    `rows_covered=True` promises that cu_seqlens_q starts at 0 and ends at total_q (with no segment
+    longer than max_seqlen_q, as above): then the kernel's tiles cover every row of o, and kernels that
+    zero their tiles' rows past the used length (the sm90 family) skip the memset of o.  With False
+    (the default) o is always zeroed first."""
     _check(q.ndim == 3 and k.ndim == 3 and v.ndim == 3, ValueError,
            f"q, k, v must be [total, heads, head_dim], got ranks {q.ndim}, {k.ndim}, {v.ndim}")
     total_q, n, h = q.shape
@@ -196,5 +201,6 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, 
         causal=np.int32(bool(causal)),
         bottom_right=np.int32(bool(bottom_right)),
         max_seqlen_q=np.int32(max_seqlen_q),
+        rows_covered=np.int32(bool(rows_covered)),
     )
     return o, lse

@@ -15,6 +15,14 @@ def used_length(cu: cute.Tensor, used: cute.Tensor, b: cutlass.Int32):
 
 
 @cute.jit
+def slot_length(cu: cute.Tensor, b: cutlass.Int32):
+    """Rows of the buffer that belong to sequence b, cu[b+1] - cu[b] (>= its valid length): a kernel that
+    writes zeros to its tiles' rows in [valid length, slot length) leaves no row of a covered layout
+    unwritten (see `rows_covered` in ops.flash_forward)."""
+    return cutlass.max(cu[b + 1] - cu[b], 0)
+
+
+@cute.jit
 def window_bounds(
     q_len: cutlass.Int32,
     k_len: cutlass.Int32,

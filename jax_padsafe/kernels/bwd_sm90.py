@@ -26,8 +26,10 @@ inside it hold anything: NaN, Inf, the next sequence):
   * dQ: K rows past k_len meet dS = 0 in dQ += dS K: zeroed in shared memory the same way.  V rows past
     k_len only reach dP columns that the select drops; Q / dO rows past q_len only reach dQ rows that are
     never written (and the lse sentinel turns their P, dS into 0 by select).
-Outputs are staged through shared memory and written with 16-byte stores predicated per row; the FFI
-handler zero-fills dq/dk/dv first, so padded rows stay exactly 0.
+Outputs are staged through shared memory and written with 16-byte stores predicated per row: valid rows get
+values, rows past the valid length up to the sequence's slot end (cu[b+1]) get zeros, and tiles with nothing
+to compute write zeros, so padded rows are exactly 0 without a memset where the tiles cover every row (the
+FFI handler zero-fills dq/dk/dv first otherwise).
 """
 
 import cutlass
@@ -202,14 +204,15 @@ class BwdDKDVSm90(_Sm90BwdBase):
 
         n_block, head_kv, batch = cute.arch.block_idx()
         k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
+        k_slot = bounds.slot_length(mCuK, batch)
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
         m_min, m_max = bc.m_block_range(n_block, BM, BN, q_len, k_len, off, left, right)
         n_m = m_max - m_min
         total = group * n_m
         n0 = n_block * BN
-        # A key tile past k_len, or one no valid query sees: dK = dV = 0 (the handler's memset); the whole
-        # CTA (producer and consumers alike) skips it.
+        # A key tile past k_len, or one no valid query sees: dK = dV = 0; the CTA writes the zeros of its rows
+        # up to the slot end (the handler's memset may have done so already) and computes nothing.
         if n0 < k_len and total > 0:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -248,12 +251,19 @@ class BwdDKDVSm90(_Sm90BwdBase):
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(sK, sV, sQ, sdO, sStat, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv, copy_out,
                              score_mul, cap_mul, dscale, n_block, head_kv, group, n_m, m_min, total, q_start, q_len,
-                             k_start, k_len, off, left, right)
+                             k_start, k_len, k_slot, off, left, right)
+        else:
+            tidx, _, _ = cute.arch.thread_idx()
+            if tidx < self.num_consumer_threads:
+                for out in (mdK, mdV):
+                    g = cute.local_tile(cute.domain_offset((k_start, 0), out[None, head_kv, None]), (BN, HD),
+                                        (n_block, 0))
+                    sc.zero_rows_global(self.dtype, BN, HD, copy_out, g, n0, k_slot, tidx)
 
     @cute.jit
     def consume(self, sK, sV, sQ, sdO, sStat, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv, copy_out,
                 score_mul, cap_mul, dscale, n_block, head_kv, group, n_m, m_min, total, q_start, q_len, k_start,
-                k_len, off, left, right):
+                k_len, k_slot, off, left, right):
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         dt = self.dtype
         tidx_all, _, _ = cute.arch.thread_idx()
@@ -351,14 +361,14 @@ class BwdDKDVSm90(_Sm90BwdBase):
             state.advance()
 
         # Epilogue: dK (times the softmax scale) and dV through sK / sV (every consumer's GEMMs are complete
-        # after the barrier), valid key rows only.
+        # after the barrier): valid key rows, then zeros up to the slot end.
         cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
         gdK = cute.local_tile(cute.domain_offset((k_start, 0), mdK[None, head_kv, None]), (BN, HD), (n_block, 0))
         gdV = cute.local_tile(cute.domain_offset((k_start, 0), mdV[None, head_kv, None]), (BN, HD), (n_block, 0))
         sc.store_rows_via_smem(acc_dK, dscale, dt, mma_kv, copy_out, sK, gdK, BN, HD, n0, k_len, tidx,
-                               _BAR_CONSUMERS, self.num_consumer_threads)
+                               _BAR_CONSUMERS, self.num_consumer_threads, k_slot)
         sc.store_rows_via_smem(acc_dV, cutlass.Float32(1.0), dt, mma_kv, copy_out, sV, gdV, BN, HD, n0, k_len, tidx,
-                               _BAR_CONSUMERS, self.num_consumer_threads)
+                               _BAR_CONSUMERS, self.num_consumer_threads, k_slot)
 
 
     @cute.jit
@@ -502,12 +512,14 @@ class BwdDQSm90(_Sm90BwdBase):
         # changes no bit of any result).
         m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
+        q_slot = bounds.slot_length(mCuQ, batch)
         k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
         off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
         n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
         head_kv = head // group
         m0 = m_block * BM
-        # A query tile past q_len, or one whose queries see no key: dQ = 0 (the handler's memset).
+        # A query tile past q_len, or one whose queries see no key: dQ = 0, written for the tile's rows up to
+        # the slot end (the handler's memset may have done so already); nothing is computed.
         if m0 < q_len and n_max > n_min:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -551,12 +563,17 @@ class BwdDQSm90(_Sm90BwdBase):
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
-                             score_mul, cap_mul, dscale, m_block, head, q_start, q_len, k_len, off, left, right,
-                             n_min, n_max)
+                             score_mul, cap_mul, dscale, m_block, head, q_start, q_len, q_slot, k_len, off, left,
+                             right, n_min, n_max)
+        else:
+            tidx, _, _ = cute.arch.thread_idx()
+            if tidx < self.num_consumer_threads:
+                gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
+                sc.zero_rows_global(self.dtype, BM, HD, copy_out, gdQ, m0, q_slot, tidx)
 
     @cute.jit
     def consume(self, sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out, score_mul,
-                cap_mul, dscale, m_block, head, q_start, q_len, k_len, off, left, right, n_min, n_max):
+                cap_mul, dscale, m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max):
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         dt = self.dtype
         tidx_all, _, _ = cute.arch.thread_idx()
@@ -621,8 +638,8 @@ class BwdDQSm90(_Sm90BwdBase):
             state.advance()
 
         # Epilogue: dQ (times the softmax scale) through sQ (every consumer's GEMMs are complete after the
-        # barrier), valid query rows only.
+        # barrier): valid query rows, then zeros up to the slot end.
         cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
         gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
         sc.store_rows_via_smem(acc_dQ, dscale, dt, mma_q, copy_out, sQ, gdQ, BM, HD, m0, q_len, tidx,
-                               _BAR_CONSUMERS, self.num_consumer_threads)
+                               _BAR_CONSUMERS, self.num_consumer_threads, q_slot)

@@ -4,7 +4,7 @@ Same ABI as `fwd_sm80.FlashFwdSm80` (packed / varlen layout):
   q [total_q, N, H], k/v [total_k, K, H], o [total_q, N, H], lse [N, total_q] float32,
   cu_seqlens_q/k int32 [B+1], seqused_q/k int32 [B].
 A CTA computes query tiles of block_m rows of one (head, sequence) each (grid.x enumerates the tiles
-linearly, m-block fastest; one tile per CTA by default, see max_tiles_per_cta) with 3 warpgroups:
+linearly, m-block fastest; up to 4 tiles per CTA for head dims <= 128, see max_tiles_per_cta) with 3 warpgroups:
   * warpgroup 0 (producer; one warp issues TMA): Q once, then K and V tiles from the last visited
     K tile down to the first into a `num_stages`-deep shared-memory ring guarded by mbarriers
     (PipelineTmaAsync: "full" barriers with a transaction count, "empty" barriers released by the
@@ -22,10 +22,13 @@ memory holds (NaN, Inf, ...):
   * V rows past k_len would meet P = 0 in P V, and 0 * NaN = NaN: the consumers overwrite them with
     zeros in shared memory before the P V GEMM of the partial tile (then fence.proxy.async so the
     async proxy of wgmma sees the generic-proxy stores, and a warpgroup barrier);
-  * Q rows past q_len only produce output rows that are never written (O and lse stay at the zeros
-    the FFI handler writes; rows are independent in both GEMMs and in the softmax).
-O is staged through shared memory and written with 16-byte stores predicated per row, so a partial
-tile never touches the rows of a neighbouring sequence.
+  * Q rows past q_len only produce output rows whose values are never stored (rows are independent
+    in both GEMMs and in the softmax): the epilogue writes zeros there instead, and lse keeps the
+    zeros the FFI handler writes.
+O is staged through shared memory and written with 16-byte stores predicated per row: valid rows get
+O, rows past q_len up to the sequence's slot end (cu_seqlens_q[b+1]) get zeros, and a tile wholly past
+q_len writes only zeros, so a partial tile never touches the rows of a neighbouring sequence, and
+where the tiles cover every row (`rows_covered`) the handler skips the memset of O.
 """
 
 import math
@@ -39,6 +42,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from . import bounds, masking, softmax, tiles
+from . import sm90_common as sc
 
 LOG2_E = math.log2(math.e)
 
@@ -59,7 +63,7 @@ class FlashFwdSm90:
         has_softcap: bool,
         intra_wg_overlap: bool = True,
         pingpong: bool = False,
-        max_tiles_per_cta: int = 1,
+        max_tiles_per_cta: int | None = None,
         multi_tile_min_tiles: int = 264,
     ):
         assert head_dim % 32 == 0 and block_m == 128
@@ -78,19 +82,21 @@ class FlashFwdSm90:
         self.num_consumer_wg = 2
         self.num_threads = 128 * (1 + self.num_consumer_wg)
         self.num_consumer_threads = 128 * self.num_consumer_wg
+        elem = dtype.width // 8
+        smem_qkvo = elem * (2 * block_m * head_dim + 2 * num_stages * block_n * head_dim)
+        self.separate_o = smem_qkvo + 2048 <= 227 * 1024
         # Several query tiles per CTA (strided over the grid), so the next tile's K/V (and, with a separate
         # O staging buffer, Q) load while the current tile's epilogue runs, and the launch, pipeline fill
-        # and epilogue latency are paid once per CTA instead of once per tile.  Default 1: with 4 the
-        # H100 gained 0-4% (benchmarks/NOTES_sm90.md) but that path (tiles_per_cta > 1) has not passed
-        # check_forward on a GPU yet (the check's problems all get 1 tile per CTA; run it with
-        # JPS_SM90_OPTS="max_tiles_per_cta=4,multi_tile_min_tiles=1" before enabling it).
+        # and epilogue latency are paid once per CTA instead of once per tile.  Default: 4 where O has its
+        # own staging buffer (head dims <= 128: +3-11% on the H100 at 2k-8k tokens), 1 otherwise (hd256 was
+        # 1-12% slower with 4: without the buffer the next Q cannot load during the epilogue);
+        # benchmarks/NOTES_sm90.md, session 4.
+        if max_tiles_per_cta is None:
+            max_tiles_per_cta = 4 if self.separate_o else 1
         self.max_tiles_per_cta = max_tiles_per_cta
         # Tiles per CTA = clamp(total tiles // multi_tile_min_tiles, 1, max_tiles_per_cta): one CTA-wave
         # of 132 SMs x 2 per extra tile (a host-side performance choice; the device code is the same).
         self.multi_tile_min_tiles = multi_tile_min_tiles
-        elem = dtype.width // 8
-        smem_qkvo = elem * (2 * block_m * head_dim + 2 * num_stages * block_n * head_dim)
-        self.separate_o = smem_qkvo + 2048 <= 227 * 1024
         self.producer_regs = 24
         self.consumer_regs = 240
 
@@ -274,10 +280,11 @@ class FlashFwdSm90:
 
     @cute.jit
     def tile_info(self, j: cutlass.Int32, sched):
-        """(present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min, n_max)
-        of this CTA's j-th tile; present is False for a tile past the grid or wholly past its sequence's
-        valid length (nothing to compute or write: O/lse are pre-zeroed).  Producer and consumers derive
-        the same sequence of tiles from it."""
+        """(present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min, n_max,
+        in_grid, q_slot) of this CTA's j-th tile; present is False for a tile past the grid (in_grid False) or
+        wholly past its sequence's valid length (nothing to compute: the consumers write its rows up to the
+        slot end q_slot as zeros, lse is pre-zeroed).  Producer and consumers derive the same sequence of
+        tiles from it."""
         BM, BN = self.block_m, self.block_n
         (n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
          window_left, window_right, bottom_right) = sched
@@ -297,14 +304,18 @@ class FlashFwdSm90:
         batch = cutlass.min(rest // num_heads, batch_size - 1)
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
+        q_slot = bounds.slot_length(mCuQ, batch)
         present = cutlass.Boolean(False)
+        in_grid = cutlass.Boolean(False)
         if lin < n_mb * num_heads * batch_size:
+            in_grid = cutlass.Boolean(True)
             if m_block * BM < q_len:
                 present = cutlass.Boolean(True)
         off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
         n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
         head_kv = head // (num_heads // num_kv_heads)
-        return present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min, n_max
+        return (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min, n_max,
+                in_grid, q_slot)
 
     @cute.jit
     def produce(
@@ -327,7 +338,7 @@ class FlashFwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for j in cutlass.range(sched[4], unroll=1):
             (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
-             n_max) = self.tile_info(j, sched)
+             n_max, _, _) = self.tile_info(j, sched)
             if present:
                 state_q, state = self.produce_tile(
                     tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
@@ -477,20 +488,24 @@ class FlashFwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for j in cutlass.range(sched[4], unroll=1):
             (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
-             n_max) = self.tile_info(j, sched)
+             n_max, in_grid, q_slot) = self.tile_info(j, sched)
             if present:
                 state_q, state = self.consume_tile(
                     sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
                     copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
                     tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg,
-                    m_block, head, q_start, q_len, k_len, off, left, right, n_min, n_max)
+                    m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max)
+            elif in_grid:
+                # A tile wholly past the valid length: its rows up to the slot end are zeros.
+                gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (BM, HD), (m_block, 0))
+                sc.zero_rows_global(self.dtype, BM, HD, copy_out, gO, m_block * BM, q_slot, tidx)
 
     @cute.jit
     def consume_tile(
         self, sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
         copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
         tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg,
-        m_block, head, q_start, q_len, k_len, off, left, right, n_min, n_max,
+        m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max,
     ):
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         m0 = m_block * BM
@@ -605,8 +620,13 @@ class FlashFwdSm90:
             cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
             pipe_q.consumer_release(state_q)
         state_q.advance()
+        # Valid rows get O; rows past q_len up to the slot end get exact zeros (their accumulator, computed
+        # from unzeroed Q rows, is never stored), so no memset of O is needed where the tiles cover every row.
         for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
-            if m0 + tOcO[0, m, 0][0] < q_len:
+            row = m0 + tOcO[0, m, 0][0]
+            if row >= q_len:
+                tOrO[None, m, None].fill(0)
+            if row < q_slot:
                 cute.copy(copy_out, tOrO[None, m, None], tOgO[None, m, None])
         return state_q, state
 

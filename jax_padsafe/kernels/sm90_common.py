@@ -12,6 +12,9 @@ view inside `__call__`, `zero_partial_v`); they can be folded onto this module o
 * `zero_rows_from`: pad-safety under TMA (which zero-fills only outside the whole tensor): overwrite the
   rows of a shared tile at or past a valid length with zeros, then make the generic-proxy stores visible
   to the async proxy (wgmma) and barrier the warpgroup.
+* `store_rows_via_smem` / `zero_rows_global`: the epilogue; rows past the valid length up to the
+  sequence's slot end are written as zeros, so that no output memset is needed where the tiles cover
+  every row.
 """
 
 import cutlass
@@ -93,13 +96,30 @@ def zero_rows_from(dtype: cutlass.Constexpr, rows: cutlass.Constexpr, head_dim: 
 
 
 @cute.jit
+def zero_rows_global(dtype: cutlass.Constexpr, rows: cutlass.Constexpr, cols: cutlass.Constexpr, copy_out: cute.TiledCopy,
+                     gX: cute.Tensor, row0: cutlass.Int32, row_end: cutlass.Int32, tidx: cutlass.Int32):
+    """Write zeros to the rows r of the (rows, cols) global tile gX with row0 + r < row_end (16-byte stores by
+    the threads of copy_out, tidx below its thread count): the output of a tile with nothing to compute."""
+    thr = copy_out.get_slice(tidx)
+    tXgX = thr.partition_D(gX)
+    tXcX = thr.partition_D(cute.make_identity_tensor((rows, cols)))
+    tXrZ = cute.make_fragment_like(tXgX, dtype)
+    tXrZ.fill(0)
+    for m in cutlass.range_constexpr(cute.size(tXrZ.shape[1])):
+        if row0 + tXcX[0, m, 0][0] < row_end:
+            cute.copy(copy_out, tXrZ[None, m, None], tXgX[None, m, None])
+
+
+@cute.jit
 def store_rows_via_smem(acc: cute.Tensor, mul: cutlass.Float32, dtype: cutlass.Constexpr, tiled_mma: cute.TiledMma,
                         copy_out: cute.TiledCopy, sX: cute.Tensor, gX: cute.Tensor, rows: cutlass.Constexpr,
                         cols: cutlass.Constexpr, row0: cutlass.Int32, row_limit: cutlass.Int32, tidx: cutlass.Int32,
-                        barrier_id: cutlass.Int32, num_threads: cutlass.Constexpr):
-    """mul * acc (a wgmma C fragment of the (rows, cols) tile) -> shared sX -> global gX, writing only tile rows
-    with row0 + r < row_limit (16-byte stores), so a partial tile never touches a neighbouring sequence.
-    The caller barriers before (every GEMM reading sX is complete)."""
+                        barrier_id: cutlass.Int32, num_threads: cutlass.Constexpr, row_end: cutlass.Int32):
+    """mul * acc (a wgmma C fragment of the (rows, cols) tile) -> shared sX -> global gX (16-byte stores):
+    tile rows with row0 + r < row_limit (the valid rows) get the values, rows with row_limit <= row0 + r <
+    row_end (padding up to the sequence's slot end) get exact zeros (the accumulator of a padded row is
+    never read), and nothing past row_end is touched, so a partial tile never writes a neighbouring
+    sequence.  The caller barriers before (every GEMM reading sX is complete)."""
     rX = cute.make_fragment_like(acc, dtype)
     rX.store((acc.load() * mul).to(dtype))
     copy_r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype), tiled_mma)
@@ -113,5 +133,8 @@ def store_rows_via_smem(acc: cute.Tensor, mul: cutlass.Float32, dtype: cutlass.C
     tXrX = cute.make_fragment_like(tXgX, dtype)
     cute.copy(copy_out, tXsX, tXrX)
     for m in cutlass.range_constexpr(cute.size(tXrX.shape[1])):
-        if row0 + tXcX[0, m, 0][0] < row_limit:
+        row = row0 + tXcX[0, m, 0][0]
+        if row >= row_limit:
+            tXrX[None, m, None].fill(0)
+        if row < cutlass.max(row_limit, row_end):
             cute.copy(copy_out, tXrX[None, m, None], tXgX[None, m, None])

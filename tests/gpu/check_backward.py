@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_padsafe._cute import bwd_ops, ops
-from tests.gpu.check_forward import DT, POISONS, packed_batch, pad_rows, poison
+from tests.gpu.check_forward import DENSE_FEATURES, DENSE_LENS, DT, POISONS, dense_batch, packed_batch, pad_rows, poison
 from tests.gpu.reference import visible_mask
 
 
@@ -96,7 +96,7 @@ def ref_backward(q, k, v, do, dlse, cu_q, cu_k, uq, uk, *, scale, causal, bottom
 
 
 def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons,
-             scale=None, dirty=False):
+             scale=None, dirty=False, rows_covered=False):
     jdt, ldt = DT[dtype]
     N, H = q.shape[1], q.shape[2]
     scale = 1.0 / np.sqrt(H) if scale is None else scale
@@ -109,12 +109,13 @@ def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, 
     meta = [jnp.asarray(x) for x in (cu_q, cu_k, uq, uk)]
     fwd = jax.jit(lambda qq, kk, vv: ops.flash_forward(
         qq, kk, vv, *meta, max_seqlen_q=mxq, max_seqlen_k=mxk, scale=scale, causal=causal,
-        bottom_right=bottom_right, window_left=wl, window_right=wr, softcap=softcap or 0.0))
+        bottom_right=bottom_right, window_left=wl, window_right=wr, softcap=softcap or 0.0, rows_covered=rows_covered))
 
     def bwd_fn(det):
         return jax.jit(lambda qq, kk, vv, oo, ll, dd, dl: bwd_ops.flash_backward(
             qq, kk, vv, oo, ll, dd, dl, *meta, max_seqlen_q=mxq, max_seqlen_k=mxk, scale=scale, causal=causal,
-            bottom_right=bottom_right, window_left=wl, window_right=wr, softcap=softcap or 0.0, deterministic=det))
+            bottom_right=bottom_right, window_left=wl, window_right=wr, softcap=softcap or 0.0, deterministic=det,
+            rows_covered=rows_covered))
 
     bwd, bwd_det = bwd_fn(False), bwd_fn(True)
     o, lse = fwd(jnp.asarray(q, jdt), jnp.asarray(k, jdt), jnp.asarray(v, jdt))
@@ -398,6 +399,14 @@ def main():
                                  q_gaps=[3, 0, 1, 7, 0, 2], k_gaps=[0, 2, 1, 0, 9, 4], tail=11, N=28, K=4, H=H)
             for i, fname in enumerate(feats):
                 r = run_case(f"gqa7_{fname}", dtype, *batch, rng=rng, poisons=poisons, dirty=(i == 0),
+                             **FEATURES[fname])
+                results.append(r)
+                print(("FAIL " if r["fails"] else "ok   ") + f"{dtype} hd{H} {r['name']}: {r['errs']} {r['fails']}",
+                      flush=True)
+            # The dense padded layout with rows_covered=True (the lengths path of the API): no gradient memsets.
+            dense = dense_batch(rng, N=28, K=4, H=H, **DENSE_LENS)
+            for fname in DENSE_FEATURES if not a.quick else ("causal_br",):
+                r = run_case(f"dense_{fname}", dtype, *dense, rng=rng, poisons=poisons, dirty=True, rows_covered=True,
                              **FEATURES[fname])
                 results.append(r)
                 print(("FAIL " if r["fails"] else "ok   ") + f"{dtype} hd{H} {r['name']}: {r['errs']} {r['fails']}",

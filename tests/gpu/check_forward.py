@@ -8,6 +8,8 @@ gaps (seqused < segment), rows past cu_seqlens[-1] and GQA 28 q heads over 4 kv 
   * every padded row of q/k/v is poisoned with NaN, +Inf, -Inf, 1e30 and random huge values and the
     outputs must be bitwise identical to the zero-padded run;
   * padded o/lse rows must be exactly 0; no NaN/Inf except lse = -inf for valid rows with no visible key;
+  * the same after NaN-filled buffers were allocated and freed (dirty allocator), and on the dense padded
+    layout with rows_covered=True, where the handler skips the memset of o and the kernel writes the zeros;
   * |ours - ref64| <= 2 |naive_lowp - ref64| + 1e-3 (max over valid entries), for o and lse.
 Exit status 0 iff everything passed.
 """
@@ -40,6 +42,16 @@ def packed_batch(rng, q_lens, k_lens, q_gaps, k_gaps, tail, N, K, H):
     return q, k, v, cu_q, cu_k, np.array(q_lens, np.int32), np.array(k_lens, np.int32)
 
 
+def dense_batch(rng, q_lens, k_lens, T, S, N, K, H):
+    """The padded [B, T] / [B, S] layout flattened: sequence b owns rows [b*T, (b+1)*T) (slots of
+    max_seqlen rows, no gaps between slots, no tail), so the kernels' tiles cover every row and the
+    call may pass rows_covered=True (no output memset: the kernels write the padded rows' zeros)."""
+    return packed_batch(rng, q_lens, k_lens, [T - x for x in q_lens], [S - x for x in k_lens], 0, N, K, H)
+
+
+DENSE_LENS = dict(q_lens=[0, 1, 127, 129, 300, 64], k_lens=[5, 1, 127, 129, 333, 0], T=320, S=345)
+
+
 def pad_rows(cu, used, total):
     pad = np.ones(total, bool)
     for b in range(len(used)):
@@ -57,7 +69,7 @@ def poison(x, pad, kind, rng):
 
 
 def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons,
-             scale=None):
+             scale=None, rows_covered=False):
     jdt, ldt = DT[dtype]
     N, H = q.shape[1], q.shape[2]
     scale = 1.0 / np.sqrt(H) if scale is None else scale
@@ -72,7 +84,8 @@ def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, 
     mxk = int(np.max(np.diff(cu_k))) if len(uk) else 0
     f = jax.jit(lambda *a: ops.flash_forward(
         *a, max_seqlen_q=mxq, max_seqlen_k=mxk, scale=scale, causal=causal, bottom_right=bottom_right,
-        window_left=-1 if left is None else left, window_right=-1 if right is None else right, softcap=softcap or 0.0))
+        window_left=-1 if left is None else left, window_right=-1 if right is None else right, softcap=softcap or 0.0,
+        rows_covered=rows_covered))
     meta = [jnp.asarray(x) for x in (cu_q, cu_k, uq, uk)]
 
     def call(qq, kk, vv):
@@ -107,6 +120,14 @@ def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, 
         op, lp = call(poison(q, padq, kind, rng), poison(k, padk, kind, rng), poison(v, padk, kind, rng))
         if not (np.array_equal(op.view(np.uint32), o0.view(np.uint32)) and np.array_equal(lp.view(np.uint32), l0.view(np.uint32))):
             fails.append(f"not bitwise identical under poison {kind}")
+    # dirty allocator: NaN-filled buffers of the outputs' sizes allocated and freed before the call, so o/lse
+    # likely land on NaN memory (what the memset, or with rows_covered the kernel's zero rows, must hide)
+    junk = [jnp.full((x.size * 2,), jnp.nan, jnp.float32) for x in (o0, l0)]
+    jax.block_until_ready(junk)
+    del junk
+    od, ld = call(q, k, v)
+    if not (np.array_equal(od.view(np.uint32), o0.view(np.uint32)) and np.array_equal(ld.view(np.uint32), l0.view(np.uint32))):
+        fails.append("dirty allocator changed the result")
     return dict(name=name, dtype=dtype, head_dim=H, o_err=float(eo), o_naive_err=float(en), lse_err=float(el),
                 lse_naive_err=float(enl), fails=fails)
 
@@ -140,6 +161,7 @@ FEATURES = {
     "neg_scale_causal": dict(causal=True, bottom_right=False, left=None, right=None, softcap=0.0, scale=-0.07),
     "zero_scale_window": dict(causal=False, bottom_right=True, left=5, right=5, softcap=0.0, scale=0.0),
 }
+DENSE_FEATURES = ("plain", "causal_tl", "window_causal_br", "softcap_causal")
 
 
 def main():
@@ -166,6 +188,11 @@ def main():
                                  q_gaps=[3, 0, 1, 7, 0, 2], k_gaps=[0, 2, 1, 0, 9, 4], tail=11, N=28, K=4, H=H)
             for fname in feats:
                 results.append(run_case(f"gqa7_{fname}", dtype, *batch, rng=rng, poisons=poisons, **FEATURES[fname]))
+            # The dense padded layout with rows_covered=True (the lengths path of the API): no memset of o.
+            dense = dense_batch(rng, N=28, K=4, H=H, **DENSE_LENS)
+            for fname in DENSE_FEATURES if not a.quick else ("causal_br",):
+                results.append(run_case(f"dense_{fname}", dtype, *dense, rng=rng, poisons=poisons, rows_covered=True,
+                                        **FEATURES[fname]))
     # long irregular sequences (GQA 7: 7 q heads over 1 kv head)
     for dtype, H in (() if a.no_long else (("bf16", 128),) if a.quick else (("bf16", 64), ("bf16", 128), ("fp16", 256))):
         batch = packed_batch(rng, q_lens=[4095, 1000], k_lens=[4093, 4097], q_gaps=[1, 0], k_gaps=[0, 3],
