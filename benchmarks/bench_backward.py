@@ -25,8 +25,9 @@ def cute_fwd_bwd(B, S, causal, scale, deterministic=False):
         KH = k.shape[2]
         cu = jnp.arange(B + 1, dtype=jnp.int32) * S
         used = jnp.full((B,), S, jnp.int32)
+        # rows_covered: the dense [B, S] layout, as dot_product_attention's lengths path passes it.
         kw = dict(max_seqlen_q=S, max_seqlen_k=S, scale=scale, causal=causal, bottom_right=False, window_left=-1,
-                  window_right=-1, softcap=0.0)
+                  window_right=-1, softcap=0.0, rows_covered=True)
         qp, kp, vp = q.reshape(B * S, N, H), k.reshape(B * S, KH, H), v.reshape(B * S, KH, H)
         o, lse = ops.flash_forward(qp, kp, vp, cu, cu, used, used, **kw)
         dq, dk, dv = bwd_ops.flash_backward(qp, kp, vp, o, lse, do.reshape(B * S, N, H), jnp.zeros_like(lse),
@@ -42,7 +43,7 @@ def cute_fwd_only(B, S, causal, scale):
         used = jnp.full((B,), S, jnp.int32)
         o, _ = ops.flash_forward(q.reshape(B * S, N, H), k.reshape(B * S, N, H), v.reshape(B * S, N, H), cu, cu,
                                  used, used, max_seqlen_q=S, max_seqlen_k=S, scale=scale, causal=causal,
-                                 bottom_right=False, window_left=-1, window_right=-1, softcap=0.0)
+                                 bottom_right=False, window_left=-1, window_right=-1, softcap=0.0, rows_covered=True)
         return o
     return jax.jit(f)
 

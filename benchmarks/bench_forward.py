@@ -42,7 +42,8 @@ def cute_fn(B, S, causal, scale):
         cu = jnp.arange(B + 1, dtype=jnp.int32) * S
         o, _ = ops.flash_forward(q.reshape(B * S, N, H), k.reshape(B * S, k.shape[2], H), v.reshape(B * S, v.shape[2], H),
                                  cu, cu, lq, lk, max_seqlen_q=S, max_seqlen_k=S, scale=scale, causal=causal,
-                                 bottom_right=False, window_left=-1, window_right=-1, softcap=0.0)
+                                 bottom_right=False, window_left=-1, window_right=-1, softcap=0.0,
+                                 rows_covered=True)  # the dense [B, S] layout, as the API's lengths path
         return o.reshape(B, S, N, H)
     return jax.jit(f)
 
