@@ -169,6 +169,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--no-long", action="store_true", help="skip the ~4k-token cases")
+    ap.add_argument("--dims", default="", help="comma-separated head dims (default: all, or 64,128 with --quick)")
+    ap.add_argument("--dtypes", default="", help="comma-separated dtypes (default: bf16,fp16, or bf16 with --quick)")
     ap.add_argument("--numpy-ref", action="store_true", help="float64 reference in NumPy on the host "
                     "(default: the same float64 code through jax.numpy on the GPU, much faster)")
     a = ap.parse_args()
@@ -179,6 +181,9 @@ def main():
     results = []
     dims = (64, 128) if a.quick else (64, 96, 128, 192, 256)
     dtypes = ("bf16",) if a.quick else ("bf16", "fp16")
+    # A restricted kernel library (an experiment's variant) is checked on what it was built for.
+    dims = tuple(int(d) for d in a.dims.split(",")) if a.dims else dims
+    dtypes = tuple(a.dtypes.split(",")) if a.dtypes else dtypes
     feats = ("plain", "causal_br") if a.quick else tuple(FEATURES)
     poisons = ("nan", "huge") if a.quick else tuple(POISONS)
     t0 = time.time()
@@ -194,7 +199,8 @@ def main():
                 results.append(run_case(f"dense_{fname}", dtype, *dense, rng=rng, poisons=poisons, rows_covered=True,
                                         **FEATURES[fname]))
     # long irregular sequences (GQA 7: 7 q heads over 1 kv head)
-    for dtype, H in (() if a.no_long else (("bf16", 128),) if a.quick else (("bf16", 64), ("bf16", 128), ("fp16", 256))):
+    long_cases = (() if a.no_long else (("bf16", 128),) if a.quick else (("bf16", 64), ("bf16", 128), ("fp16", 256)))
+    for dtype, H in [(d, h) for d, h in long_cases if h in dims and d in dtypes]:
         batch = packed_batch(rng, q_lens=[4095, 1000], k_lens=[4093, 4097], q_gaps=[1, 0], k_gaps=[0, 3],
                              tail=5, N=7, K=1, H=H)
         for fname in ("plain", "causal_br", "causal_tl"):
