@@ -339,12 +339,28 @@ def _ring(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
   return _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
 
 
-def _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
+# The shard_map'd halves are jitted once per ring configuration: called eagerly, a shard_map runs
+# op by op on every device (minutes on CPU for a small causal zigzag ring); under an outer jit the
+# inner jit is inlined, so traced programs are unchanged.
+@functools.lru_cache(maxsize=64)
+def _ring_forward_fn(cfg):
   sp = cfg.specs()
-  fn = shard_map(functools.partial(_forward_local, cfg), mesh=cfg.mesh,
-                 in_specs=(sp["x"], sp["x"], sp["x"], sp["row"], sp["row"], sp["row"], sp["row"]),
-                 out_specs=(sp["x"], sp["lse"]))
-  return fn(q, k, v, q_seg, k_seg, q_pos, k_pos)
+  return jax.jit(shard_map(functools.partial(_forward_local, cfg), mesh=cfg.mesh,
+                           in_specs=(sp["x"], sp["x"], sp["x"], sp["row"], sp["row"], sp["row"], sp["row"]),
+                           out_specs=(sp["x"], sp["lse"])))
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_backward_fn(cfg):
+  sp = cfg.specs()
+  return jax.jit(shard_map(functools.partial(_backward_local, cfg), mesh=cfg.mesh,
+                           in_specs=(sp["x"], sp["x"], sp["x"], sp["row"], sp["row"], sp["row"], sp["row"],
+                                     sp["x"], sp["lse"], sp["x"], sp["lse"]),
+                           out_specs=(sp["x"], sp["x"], sp["x"])))
+
+
+def _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
+  return _ring_forward_fn(cfg)(q, k, v, q_seg, k_seg, q_pos, k_pos)
 
 
 def _ring_fwd(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
@@ -355,12 +371,7 @@ def _ring_fwd(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
 def _ring_bwd(cfg, res, cotangents):
   q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse = res
   do, dlse = cotangents
-  sp = cfg.specs()
-  fn = shard_map(functools.partial(_backward_local, cfg), mesh=cfg.mesh,
-                 in_specs=(sp["x"], sp["x"], sp["x"], sp["row"], sp["row"], sp["row"], sp["row"],
-                           sp["x"], sp["lse"], sp["x"], sp["lse"]),
-                 out_specs=(sp["x"], sp["x"], sp["x"]))
-  dq, dk, dv = fn(q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse)
+  dq, dk, dv = _ring_backward_fn(cfg)(q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse)
   return dq, dk, dv, None, None, None, None
 
 
