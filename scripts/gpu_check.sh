@@ -48,7 +48,7 @@ case "$cmd" in
         python3 tests/gpu/check_forward.py --quick 2>&1 | tail -4 | tee "$out/check_cmdbuf.log" || rc=1
     fi
     # The project's CPU test suite on the GPU, implementation="cute" parametrisations only.  On an H100
-    # the whole of it takes ~11 min (2026-11-23), more than one 10-minute device call: "suite_a" (API,
+    # the whole of it takes ~12 min (2026-11-23), more than one 10-minute device call: "suite_a" (API,
     # contract, lowering, dispatch tests) and "suite_b" (random fuzz cases, varlen) split it in two halves.
     suite_a="tests/test_api.py tests/test_contract.py tests/test_cute_lowering.py tests/test_dispatch.py"
     suite_b="tests/test_fuzz.py tests/test_varlen.py"

@@ -205,7 +205,8 @@ def main():
                              tail=5, N=7, K=1, H=H)
         for fname in ("plain", "causal_br", "causal_tl"):
             results.append(run_case(f"long_{fname}", dtype, *batch, rng=rng, poisons=("nan",), **FEATURES[fname]))
-    results.append(check_vmap(rng))
+    if 128 in dims and "bf16" in dtypes:  # the vmap check runs hd128 bf16
+        results.append(check_vmap(rng))
     nfail = 0
     for r in results:
         status = "PASS" if not r["fails"] else "FAIL " + "; ".join(r["fails"])
