@@ -6,7 +6,10 @@
 //               padded rows are zero by construction, nothing is left to the allocator; the gradients'
 //               memsets are skipped when the sm90 kernels' tiles cover every row, see rows_covered); launches
 //               preprocess (Delta), dK/dV (or, for variants with a `dk` entry, a dV pass then a dK pass),
-//               dQ.  No atomics, no fp32 global accumulator: deterministic.
+//               dQ.  Families 0/1: no atomics, no fp32 global accumulator.  Family 2 (fused dQ, chosen when
+//               the caller passes a large enough `dq_workspace`): the dK/dV kernel adds fp32 dQ partials
+//               into the zero-filled workspace in a fixed order (semaphores), then `dq` converts it; every
+//               mode is deterministic (bitwise reproducible) either way.
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -72,6 +75,17 @@ ffi::Error BwdInitialize(ffi::RemainingArgs, ffi::RemainingRets) {
 
 ffi::Error Invalid(const std::string &msg) { return ffi::Error::InvalidArgument("jax_padsafe_bwd: " + msg); }
 
+// The fused-dQ family (2) runs only when the caller passes its workspace (bwd_ops requests one only with
+// JAX_PADSAFE_FUSED_DQ=1: opt-in).  JAX_PADSAFE_FUSED_DQ=0 here also refuses it when a workspace is passed;
+// read once per process.
+bool FusedDqEnabled() {
+  static const bool enabled = [] {
+    const char *e = std::getenv("JAX_PADSAFE_FUSED_DQ");
+    return !(e && e[0] == '0');
+  }();
+  return enabled;
+}
+
 // JAX_PADSAFE_SM90_BWD=0 in the environment keeps the SM80-class backward on Hopper even where the library
 // has the sm90 backward family (A/B comparisons, a fallback should it misbehave); read once per process.
 bool Sm90BwdFamilyEnabled() {
@@ -86,7 +100,8 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                       ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> dlse,
                       ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
                       ffi::Buffer<ffi::S32> used_k, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                      ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta, float scale,
+                      ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
+                      ffi::Result<ffi::Buffer<ffi::F32>> dq_workspace, float scale,
                       float softcap, int32_t window_left, int32_t window_right, int32_t causal, int32_t bottom_right,
                       int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t deterministic, int32_t rows_covered) {
   (void)deterministic;  // this design is deterministic in every mode (no atomics)
@@ -138,13 +153,20 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   if (ffi::Error e = BwdArch(&arch); e.failure()) return e;
   if (ffi::Error e = BwdLoad(arch); e.failure()) return e;
   const int cap = softcap > 0.0f ? 1 : 0;
-  // Prefer the Hopper family (1) where it was built for this combination, else the SM80-class one.
+  // Prefer the fused-dQ Hopper family (2) where it was built and the caller gave it a large enough fp32
+  // workspace (dQ accumulator + one semaphore per (sequence, head, 64-query tile)), then the Hopper family
+  // (1), else the SM80-class one.
+  const int64_t sem_count = B * N * ((int64_t(max_seqlen_q) + 63) / 64);
+  const int64_t accum_count = total_q * N * H;
+  const bool fused_fits = dq_workspace->element_count() >= accum_count + sem_count && sem_count < (int64_t(1) << 31);
   const JpsBwdVariant *var = nullptr;
   const bool allow_sm90 = Sm90BwdFamilyEnabled();
+  const bool allow_fused = allow_sm90 && fused_fits && FusedDqEnabled();
   for (int i = 0; i < kJpsNumBwdVariants; ++i) {
     const JpsBwdVariant &c = kJpsBwdVariants[i];
     if (c.arch != arch || c.dtype != dtype || c.head_dim != H || c.softcap != cap) continue;
     if (c.family == 1 && !allow_sm90) continue;
+    if (c.family == 2 && !allow_fused) continue;
     if (!var || c.family > var->family) var = &c;
   }
   if (!var)
@@ -156,8 +178,18 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   // (cu_seqlens[b+1]), rows past the used length and tiles nothing sees as zeros.  When the caller
   // promises those tiles cover every row (rows_covered: the dense padded layout), the three memsets
   // (a full extra write of each gradient) are skipped.
-  if (!(rows_covered && var->family == 1))
+  // Family 2 writes every dq row itself (the conversion covers [0, total_q), and the zero-filled accumulator
+  // only ever receives exact zeros outside the valid rows), so dq is never memset; its workspace always is.
+  const bool fused = var->family == 2;
+  if (fused) {
+    if (ffi::Error e = zero(dq_workspace->untyped_data(), size_t(accum_count + sem_count) * 4); e.failure()) return e;
+    if (!rows_covered) {
+      if (ffi::Error e = zero(dk->untyped_data(), dk->size_bytes()); e.failure()) return e;
+      if (ffi::Error e = zero(dv->untyped_data(), dv->size_bytes()); e.failure()) return e;
+    }
+  } else if (!(rows_covered && var->family == 1)) {
     if (ffi::Error e = zero_grads(); e.failure()) return e;
+  }
 
   const float log2e = 1.4426950408889634f;
   JpsBwdArgs a{};
@@ -177,6 +209,11 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   a.bottom_right = bottom_right ? 1 : 0;
   a.max_seqlen_q = max_seqlen_q;
   a.max_seqlen_k = max_seqlen_k;
+  if (fused) {
+    a.dq_accum = dq_workspace->typed_data();
+    a.dq_sem = reinterpret_cast<int32_t *>(dq_workspace->typed_data() + accum_count);
+    a.dq_sem_count = (int32_t)sem_count;
+  }
   int32_t rc = var->pre(var->pre_module, &a, stream);
   if (rc == 0) rc = var->dkdv(var->dkdv_module, &a, stream);              // dK and dV, or the dV pass
   if (rc == 0 && var->dk) rc = var->dk(var->dk_module, &a, stream);       // the dK pass (head_dim > 128)
@@ -213,6 +250,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_execute, BwdExecute,
                                   .Ret<ffi::AnyBuffer>()             // dk
                                   .Ret<ffi::AnyBuffer>()             // dv
                                   .Ret<ffi::Buffer<ffi::F32>>()      // Delta workspace
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // fused-dQ workspace (may be empty)
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<int32_t>("window_left")

@@ -16,6 +16,11 @@ struct JpsBwdArgs {
   int32_t window_left, window_right;  // -1: unbounded; causal is folded into window_right
   int32_t bottom_right;
   int32_t max_seqlen_q, max_seqlen_k;
+  // Fused-dQ family (2) only: zero-filled fp32 dQ accumulator [total_q, N, H] and int32 semaphores
+  // [batch * N * ceil(max_seqlen_q / 64)], both carved from the caller's workspace; null otherwise.
+  float *dq_accum;
+  int32_t *dq_sem;
+  int32_t dq_sem_count;
 };
 
 typedef int32_t (*JpsBwdLaunchFn)(void *module, const JpsBwdArgs *args, cudaStream_t stream);
@@ -30,7 +35,8 @@ struct JpsBwdVariant {
   void *dq_module;
   JpsBwdLaunchFn dq;
   const char *name;
-  int family;  // 0: SM80-class (bwd_sm80), 1: Hopper TMA + wgmma (bwd_sm90, sm_90a only)
+  int family;  // 0: SM80-class (bwd_sm80), 1: Hopper TMA + wgmma (bwd_sm90, sm_90a only), 2: Hopper with the
+              // dQ fused into the dK/dV kernel (bwd_sm90.BwdDKDVQSm90; `dq` is then the fp32 -> dtype conversion)
   // Second dK/dV launch, or null.  Non-null for the SM80-class variants with head_dim > 128: `dkdv` is then
   // the dV-only pass and `dk` the dK-only pass of the same kernel (bwd_sm80.BwdDKDV outputs="dv"/"dk"),
   // launched one after the other with the same arguments; each writes only its own output.

@@ -22,14 +22,14 @@ case "$cmd" in
     ldd "$lib" | sed 's/^/  /'
     ;;
   test)
-    # JPS_STEPS picks parts (default all): checks (kernel checks), suite (pytest cute cases; or its
+    # JPS_STEPS picks parts (default all): checks (kernel checks), fused (the opt-in fused-dQ backward), suite (pytest cute cases; or its
     # halves suite_a, suite_b), bench (benchmarks), sharded (multi-GPU check; needs >= 2 GPUs).  On an
     # H100 suite_a, suite_b and bench should each fit a 10-minute device call (estimated from the
     # 2026-11-23 run, ~5-6 min per half, not yet run split); checks takes longer
     # (check_forward ~4 min, twice on Hopper, check_backward > 5 min).
     out=${OUT:-gpu_out}; mkdir -p "$out"
     export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-    steps=",${JPS_STEPS:-checks,suite,bench,sharded},"
+    steps=",${JPS_STEPS:-checks,fused,suite,bench,sharded},"
     quick=""; [ "${1:-}" = "--quick" ] && quick="--quick"
     rc=0
     nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader | tee "$out/device.txt"
@@ -43,6 +43,14 @@ case "$cmd" in
           | tee "$out/check_forward_sm80class.log" | tail -3 || rc=1
       fi
       python3 tests/gpu/check_backward.py $quick --json "$out/check_backward.json" 2>&1 | tee "$out/check_backward.log" | tail -3 || rc=1
+    fi
+    # The opt-in fused-dQ backward (sm90f, hd128) on Hopper; ~100 s per dtype on an H100.
+    if [[ $steps == *,fused,* ]] && [ "$cc" = "9.0" ]; then
+      JAX_PADSAFE_FUSED_DQ=1 python3 tests/gpu/check_backward.py --head-dims 128 --json "$out/check_backward_fused.json" \
+        2>&1 | tee "$out/check_backward_fused.log" | tail -3
+      [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    fi
+    if [[ $steps == *,checks,* ]]; then
       # The same kernels inside CUDA graphs (XLA command buffers with custom calls).
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
         python3 tests/gpu/check_forward.py --quick 2>&1 | tail -4 | tee "$out/check_cmdbuf.log" || rc=1

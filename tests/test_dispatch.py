@@ -296,3 +296,37 @@ def test_max_segments_bounds_the_kernel_runs(kernels_built):
   for bad in (0, -1, 2.5, True):
     with pytest.raises(ValueError, match="max_segments"):
       _lowered(f(bad), q, kv, kv)
+
+
+def _bwd_workspace_sizes(text):
+  """Element counts of the fifth result (the fused-dQ workspace) of each backward custom call."""
+  sizes = []
+  for line in text.splitlines():
+    if "custom_call @jax_padsafe_bwd" in line:
+      results = line.rsplit("->", 1)[1]
+      sizes.append(int(re.findall(r"tensor<(\d+)xf32>", results)[-1]))
+  return sizes
+
+
+def test_fused_dq_workspace_is_opt_in(kernels_built, monkeypatch):
+  """The fused-dQ backward family runs only when the handler gets its fp32 workspace; bwd_ops requests one
+  only with JAX_PADSAFE_FUSED_DQ=1, on a Hopper GPU, at head dim 128: dq accumulator + one semaphore per
+  (sequence, head, 64-query tile).  Otherwise the fifth result is empty and the default kernels run."""
+  bwd = pytest.importorskip("jax_padsafe._cute.bwd_ops")
+  monkeypatch.setattr(bwd, "_hopper_present", lambda: True)
+  assert bwd.fused_dq_workspace_size(300, 8, 128, 3, 129) == 0  # not opted in
+  monkeypatch.setenv("JAX_PADSAFE_FUSED_DQ", "1")
+  assert bwd.fused_dq_workspace_size(300, 8, 128, 3, 129) == 300 * 8 * 128 + 3 * 8 * 3
+  assert bwd.fused_dq_workspace_size(300, 8, 64, 3, 129) == 0  # no fused kernels at head dim 64
+  monkeypatch.setattr(bwd, "_hopper_present", lambda: False)
+  assert bwd.fused_dq_workspace_size(300, 8, 128, 3, 129) == 0
+
+  def loss(q, k, v):
+    return jnp.sum(jax_padsafe.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
+  monkeypatch.setattr(bwd, "_hopper_present", lambda: True)
+  # Shapes no other test uses (traced implementations are cached per shape): b=2, t=70 -> 2 tiles of 64.
+  text = _lowered(jax.grad(loss, (0, 1, 2)), *_qkv(t=70, s=33, h=128))
+  assert _bwd_workspace_sizes(text) == [2 * 70 * 8 * 128 + 2 * 8 * 2]
+  monkeypatch.setenv("JAX_PADSAFE_FUSED_DQ", "0")
+  text = _lowered(jax.grad(loss, (0, 1, 2)), *_qkv(t=71, s=33, h=128))
+  assert _bwd_workspace_sizes(text) == [0]

@@ -12,11 +12,19 @@ accumulator per warp fits in registers), dQ (one CTA per query tile, looping ove
 atomics and no global accumulator: every call is deterministic, so `deterministic=True` costs nothing
 extra; the price of this design is that S = QK^T and dP = dO V^T are computed in both kernels (7 GEMMs
 instead of 5; 8 with the split dK/dV kernel).
+
+Opt-in (JAX_PADSAFE_FUSED_DQ=1), on Hopper at head dim 128: the fused-dQ kernels (bwd_sm90.BwdDKDVQSm90,
+5 GEMMs): the dK/dV kernel also adds dS K into an fp32 dQ accumulator, tile by tile in a fixed key order
+(semaphores), and a conversion kernel writes dQ.  They need a float32 workspace (`fused_dq_workspace_size`:
+4 bytes per dq element plus a semaphore per 64-query tile), which this module then requests as a fifth,
+discarded result (empty otherwise; the handler uses the fused kernels only when it is there).  Same
+contract, deterministic; slower than the default today, see `fused_dq_workspace_size`.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
@@ -27,6 +35,31 @@ from . import ops
 
 TARGET_NAME = "jax_padsafe_bwd"
 _DEFAULT_HEAD_DIMS = (64, 96, 128, 192, 256)  # = kernels.bwd_build.BWD_HEAD_DIMS
+_FUSED_DQ_HEAD_DIMS = (128,)  # = kernels.bwd_build.SM90F_BWD_TILES
+_FUSED_DQ_BLOCK_M = 64  # query tile of the fused kernel: one semaphore per (sequence, head, tile)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_present() -> bool:
+    """True if a local CUDA device has compute capability 9.0 (the fused-dQ kernels' target)."""
+    try:
+        return any(str(getattr(d, "compute_capability", "")) == "9.0" for d in jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def fused_dq_workspace_size(total_q: int, num_heads: int, head_dim: int, batch: int, max_seqlen_q: int) -> int:
+    """float32 elements of the fused-dQ workspace (the handler uses the fused family only when it is
+    there): an fp32 dQ accumulator [total_q, N, H] plus one int32 semaphore per (sequence, head, 64-query
+    tile).  Opt-in: 0 unless JAX_PADSAFE_FUSED_DQ=1, and 0 where that family cannot run (head dim, no
+    Hopper GPU).  Off by default because, with the fixed-order (deterministic) reduction the contract
+    needs, it is slower than the 7-GEMM kernels today (benchmarks/NOTES_sm90_bwd.md, 2026-11-23)."""
+    if head_dim not in _FUSED_DQ_HEAD_DIMS or os.environ.get("JAX_PADSAFE_FUSED_DQ", "0") != "1":
+        return 0
+    if not _hopper_present():
+        return 0
+    tiles = -(-int(max_seqlen_q) // _FUSED_DQ_BLOCK_M)
+    return int(total_q) * num_heads * head_dim + int(batch) * num_heads * tiles
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,10 +165,11 @@ def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, sequse
     call = jax.ffi.ffi_call(
         TARGET_NAME,
         (jax.ShapeDtypeStruct((total_q, n, h), q.dtype), jax.ShapeDtypeStruct((total_k, kh, h), q.dtype),
-         jax.ShapeDtypeStruct((total_k, kh, h), q.dtype), jax.ShapeDtypeStruct((n, total_q), jnp.float32)),
+         jax.ShapeDtypeStruct((total_k, kh, h), q.dtype), jax.ShapeDtypeStruct((n, total_q), jnp.float32),
+         jax.ShapeDtypeStruct((fused_dq_workspace_size(total_q, n, h, b, max_seqlen_q),), jnp.float32)),
         vmap_method="sequential",
     )
-    dq, dk, dv, _delta = call(
+    dq, dk, dv, _delta, _dq_workspace = call(
         q, k, v, o, lse.astype(jnp.float32), do, dlse.astype(jnp.float32),
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
         scale=np.float32(scale),

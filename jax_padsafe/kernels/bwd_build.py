@@ -11,6 +11,10 @@ capability 9.0 (JAX_PADSAFE_SM90_BWD=0 at run time opts out).  On by default sin
 tests/gpu/check_backward.py on an H100 (26/26, hd128 bf16/fp16; benchmarks/NOTES_sm90_bwd.md); JPS_SM90_BWD=0
 builds without it.  JPS_SM90_BWD_TILES="128=64x128x3,128x64x2" overrides its tiles (dK/dV, dQ:
 block_m x block_n x stages) for experiments.
+JPS_SM90F_BWD=1 (--sm90f-bwd 1, the default) also builds the fused-dQ family `sm90f` for sm_90a at the head
+dims in `SM90F_BWD_TILES` (5 GEMMs: dQ = dS K accumulated in fp32 by the dK/dV kernel in a fixed order, then
+converted; its `_dkdv` export takes the accumulator and semaphores, its `_dq` export is the conversion); the
+handler uses it only when the caller passes its workspace (JAX_PADSAFE_FUSED_DQ=1 at run time, opt-in).
 Per variant three kernels are exported (`<prefix>_pre`, `<prefix>_dkdv`, `<prefix>_dq`), or four for the
 SM80-class family at head dims above `SPLIT_DKDV_ABOVE` (`<prefix>_pre`, `<prefix>_dv`, `<prefix>_dk`,
 `<prefix>_dq`: the dK/dV kernel compiled as a dV-only and a dK-only pass, launched one after the other);
@@ -58,6 +62,11 @@ BWD_STAGES = {}
 # sm90 family: ((block_m, block_n, stages) of the dK/dV kernel, (block_m, block_n, stages) of the dQ kernel);
 # 2 consumer warpgroups x 64 rows of the resident tile (dK/dV: keys, dQ: queries).
 SM90_BWD_TILES = {128: ((64, 128, 2), (128, 64, 2))}
+# sm90f family (fused dQ, 5 GEMMs): the dK/dV kernel's (block_m, block_n, stages); it also computes dS K per
+# step and adds it into a zero-filled fp32 dQ accumulator in key-tile order (bwd_sm90.BwdDKDVQSm90), and a
+# conversion kernel writes dQ (bwd_sm90.DqConvertSm90).  Needs the caller's fp32 workspace (jps_bwd.cc);
+# the handler prefers it over the sm90 family when the workspace is there.  JPS_SM90F_BWD=0 builds without.
+SM90F_BWD_TILES = {128: (64, 128, 2)}
 
 
 def _apply_sm90_tile_overrides():
@@ -97,6 +106,8 @@ class BwdVariant:
 
     @property
     def tile(self):
+        if self.family == "sm90f":
+            return SM90F_BWD_TILES[self.head_dim], None
         return SM90_BWD_TILES[self.head_dim] if self.family == "sm90" else BWD_TILES[self.head_dim]
 
     @property
@@ -131,7 +142,7 @@ def _compile_one(args):
 
     dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[variant.dtype]
     H = variant.head_dim
-    (bm, bn, nt), (bm_q, bn_q, nt_q) = variant.tile
+    (bm, bn, nt), dq_tile = variant.tile
     sym = cute.sym_int
     opts = f"--gpu-arch {variant.arch}"
 
@@ -149,6 +160,20 @@ def _compile_one(args):
     pre = cute.compile(BwdPreprocess(dt, H), x3(), x3(), f2(), f2(), f2(), i1(), i1(), 0, make_fake_stream(),
                        options=opts)
     pre.export_to_c(out, p + "_pre", function_prefix=p + "_pre")
+    if variant.family == "sm90f":
+        from .bwd_sm90 import BwdDKDVQSm90, DqConvertSm90
+
+        f3 = lambda: make_fake_compact_tensor(cutlass.Float32, (sym(), sym(), H), stride_order=(2, 1, 0),  # noqa: E731
+                                              assumed_align=16)
+        ordered = os.environ.get("JPS_SM90F_UNORDERED", "0") != "1"
+        dkdv = cute.compile(BwdDKDVQSm90(dt, H, bm, bn, nt, variant.softcap, ordered), x3(), x3(), x3(), x3(), f2(), f2(),
+                            x3(), x3(), f3(), i1(), i1(), i1(), i1(), i1(), 1.0, 1.0, 1.0, 0, 0, 0, 1,
+                            make_fake_stream(), options=opts)
+        dkdv.export_to_c(out, p + "_dkdv", function_prefix=p + "_dkdv")
+        conv = cute.compile(DqConvertSm90(dt, H), f3(), x3(), 1.0, make_fake_stream(), options=opts)
+        conv.export_to_c(out, p + "_dq", function_prefix=p + "_dq")
+        return variant, time.time() - t0
+    (bm_q, bn_q, nt_q) = dq_tile
     if variant.family == "sm90":
         from .bwd_sm90 import BwdDKDVSm90, BwdDQSm90
 
@@ -196,19 +221,26 @@ _SCALARS = {
 # The dV and dK passes of a split variant have the dK/dV kernel's signature.
 _KERNELS["dv"] = _KERNELS["dk"] = _KERNELS["dkdv"]
 _SCALARS["dv"] = _SCALARS["dk"] = _SCALARS["dkdv"]
+# sm90f: the dK/dV kernel also takes the fp32 dQ accumulator and the semaphores; "dq" is the conversion.
+_ACC = "{a->dq_accum, {a->total_q, a->num_heads}, {(int64_t)a->num_heads * a->head_dim}}"
+_SEM = "{a->dq_sem, {a->dq_sem_count}}"
+_KERNELS_FUSED = dict(_KERNELS, dkdv=_KERNELS["dkdv"][:8] + [("mdQacc", _ACC), ("mSem", _SEM)] + _KERNELS["dkdv"][8:],
+                      dq=[("mAcc", _ACC), ("mdQ", _Q % "dq")])
+_SCALARS_FUSED = dict(_SCALARS, dq="a->dscale")
 
 
 def _adapter(v: BwdVariant) -> str:
     lines = []
+    kernels, scalars = (_KERNELS_FUSED, _SCALARS_FUSED) if v.family == "sm90f" else (_KERNELS, _SCALARS)
     for kind in v.kinds:
-        tensors = _KERNELS[kind]
+        tensors = kernels[kind]
         p = f"{v.prefix}_{kind}"
         lines.append(f'#include "{p}.h"')
         lines.append(f"static int32_t {p}_launch(void *module, const JpsBwdArgs *a, cudaStream_t s) {{")
         for name, init in tensors:
             lines.append(f"  {p}_Tensor_{name}_t {name} = {init};")
         refs = ", ".join("&" + n for n, _ in tensors)
-        lines.append(f"  return cute_dsl_{p}_wrapper(({p}_Kernel_Module_t *)module, {refs}, {_SCALARS[kind]}, s);")
+        lines.append(f"  return cute_dsl_{p}_wrapper(({p}_Kernel_Module_t *)module, {refs}, {scalars[kind]}, s);")
         lines.append("}")
         lines.append(f"static {p}_Kernel_Module_t {p}_module;")
     p = v.prefix
@@ -253,6 +285,8 @@ def main(argv=None):
     ap.add_argument("--softcap", default=os.environ.get("JPS_SOFTCAP", "0,1"))
     ap.add_argument("--sm90-bwd", type=int, default=int(os.environ.get("JPS_SM90_BWD", "1")),
                     help="1: also build the sm90 (TMA + wgmma) backward family for sm_90a")
+    ap.add_argument("--sm90f-bwd", type=int, default=int(os.environ.get("JPS_SM90F_BWD", "1")),
+                    help="1: also build the fused-dQ sm90 backward family (5 GEMMs, fp32 dQ accumulator)")
     ap.add_argument("--out", default="build/kernels")
     ap.add_argument("--jobs", type=int, default=int(os.environ.get("JPS_JOBS", os.cpu_count() or 1)))
     a = ap.parse_args(argv)
@@ -267,6 +301,9 @@ def main(argv=None):
     if a.sm90_bwd and "sm_90a" in _csv(a.archs):
         todo += [BwdVariant("sm_90a", d, h, c, "sm90") for d in _csv(a.dtypes) for h in _csv(a.head_dims, int)
                  if h in SM90_BWD_TILES for c in _csv(a.softcap, lambda x: bool(int(x)))]
+    if a.sm90f_bwd and "sm_90a" in _csv(a.archs):
+        todo += [BwdVariant("sm_90a", d, h, c, "sm90f") for d in _csv(a.dtypes) for h in _csv(a.head_dims, int)
+                 if h in SM90F_BWD_TILES for c in _csv(a.softcap, lambda x: bool(int(x)))]
     out = os.path.abspath(a.out)
     built = []
     t0 = time.time()

@@ -45,6 +45,11 @@ from . import sm90_common as sc
 # Named barrier ids (0 is __syncthreads).
 _BAR_CONSUMERS = 1  # both consumer warpgroups (256 threads)
 _BAR_WG_BASE = 2  # + consumer warpgroup index: one consumer warpgroup (128 threads)
+# Fused dQ: the consumers' partial is in sdQ (consumers arrive, the reducer warp waits) / sdQ is free again
+# (the reducer warp arrives, the consumers wait): 256 consumer threads + the reducer warp.
+_BAR_DQ_FULL = 4
+_BAR_DQ_EMPTY = 5
+_DQ_SYNC_THREADS = 256 + 32
 
 
 class _Sm90BwdBase:
@@ -80,6 +85,8 @@ class _Sm90BwdBase:
 
 
 class BwdDKDVSm90(_Sm90BwdBase):
+    ordered = True
+
     """dK, dV for one key tile of block_n = 2 x 64 keys (all query heads of its GQA group)."""
 
     def __init__(self, dtype, head_dim: int, block_m: int = 64, block_n: int = 128, num_stages: int = 2,
@@ -111,6 +118,16 @@ class BwdDKDVSm90(_Sm90BwdBase):
         max_seqlen_k: cutlass.Int32,
         stream: cuda.CUstream,
     ):
+        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, None, None, mCuQ, mCuK, mUsedQ, mUsedK, score_mul,
+                     cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_k, stream)
+
+    @cute.jit
+    def _launch(self, mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mdQacc, mSem, mCuQ, mCuK, mUsedQ, mUsedK, score_mul,
+                cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_k, stream):
+        """Everything but the argument list: TMA atoms, wgmma tilers, the shared-memory struct, the launch.
+        With `mdQacc` / `mSem` (the fused-dQ subclass) also the dQ partial tile, its TMA reduce-add atom
+        and the per-(sequence, head, query tile) semaphores."""
+        fused = mdQacc is not None
         dt = self.dtype
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         sQ_layout = sc.smem_layout(dt, BM, HD, self.num_stages)
@@ -129,6 +146,11 @@ class BwdDKDVSm90(_Sm90BwdBase):
         mma_kv = sc.make_mma(dt, 2, BN // 2, HD, b_major_mn=True, a_from_regs=True)
         copy_out = tiles.gmem_tiled_copy(dt, HD, self.num_consumer_threads, async_copy=False)
         stages = self.num_stages
+        # Fused dQ: dS^T (keys, queries; double-buffered) and the fp32 dQ partial (queries, head_dim).
+        sdS_layout = sc.smem_layout(dt, BN, BM, 2)
+        sdQ_layout = sc.fp32_smem_layout(BM, HD)
+        ds_elems = cute.cosize(sdS_layout) if fused else 8
+        dq_elems = cute.cosize(sdQ_layout) if fused else 4
 
         @cute.struct
         class SharedStorage:
@@ -140,16 +162,31 @@ class BwdDKDVSm90(_Sm90BwdBase):
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             # Per consumer warpgroup, double-buffered: lse2 and Delta of the step's block_m queries.
             sStat: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BM * 2 * 2 * 2], 16]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, dq_elems], 1024]
 
         group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
         grid = (cute.ceil_div(max_seqlen_k, BN), cute.size(mK.shape[1]), cute.size(mUsedK.shape[0]))
-        self.kernel(
-            tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group,
-            score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
-            sQ_layout, sK_layout, mma_s, mma_kv, copy_out, q_bytes, k_bytes, SharedStorage,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
-                 min_blocks_per_mp=1)
+        if cutlass.const_expr(fused):
+            s2g_add = cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
+            tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(s2g_add, sc.rows_dim_heads(mdQacc), sdQ_layout,
+                                                              (BM, HD))
+            self.kernel_fused(
+                tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_dQ, tma_dQ,
+                mSem, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group,
+                score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
+                sQ_layout, sK_layout, sdS_layout, sdQ_layout, mma_s, mma_kv, copy_out, q_bytes, k_bytes,
+                SharedStorage,
+            ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+                     min_blocks_per_mp=1)
+        else:
+            self.kernel(
+                tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+                mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group,
+                score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
+                sQ_layout, sK_layout, mma_s, mma_kv, copy_out, q_bytes, k_bytes, SharedStorage,
+            ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+                     min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(
@@ -186,6 +223,62 @@ class BwdDKDVSm90(_Sm90BwdBase):
         k_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
     ):
+        self.body(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, None, None, None,
+                  mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group, score_mul, cap_mul, dscale,
+                  window_left, window_right, bottom_right, sQ_layout, sK_layout, None, None, mma_s, mma_kv,
+                  copy_out, q_bytes, k_bytes, SharedStorage)
+
+    @cute.kernel
+    def kernel_fused(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        tma_Q: cute.Tensor,
+        tma_atom_dO: cute.CopyAtom,
+        tma_dO: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        tma_K: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        tma_V: cute.Tensor,
+        tma_atom_dQ: cute.CopyAtom,
+        tma_dQ: cute.Tensor,
+        mSem: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        group: cutlass.Int32,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        sdQ_layout: cute.ComposedLayout,
+        mma_s: cute.TiledMma,
+        mma_kv: cute.TiledMma,
+        copy_out: cute.TiledCopy,
+        q_bytes: cutlass.Constexpr,
+        k_bytes: cutlass.Constexpr,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        self.body(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_dQ, tma_dQ,
+                  mSem, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group, score_mul, cap_mul, dscale,
+                  window_left, window_right, bottom_right, sQ_layout, sK_layout, sdS_layout, sdQ_layout, mma_s,
+                  mma_kv, copy_out, q_bytes, k_bytes, SharedStorage)
+
+    @cute.jit
+    def body(self, tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_dQ, tma_dQ,
+             mSem, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group, score_mul, cap_mul, dscale,
+             window_left, window_right, bottom_right, sQ_layout, sK_layout, sdS_layout, sdQ_layout, mma_s, mma_kv,
+             copy_out, q_bytes: cutlass.Constexpr, k_bytes: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
+        fused = tma_atom_dQ is not None
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -201,8 +294,23 @@ class BwdDKDVSm90(_Sm90BwdBase):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sStat = storage.sStat.get_tensor(cute.make_layout((BM, 2, 2, 2)))  # (query, lse2|Delta, parity, wg)
+        sdS = None
+        sdQ = None
+        if cutlass.const_expr(fused):
+            sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         n_block, head_kv, batch = cute.arch.block_idx()
+        # Fused dQ with a bounded right window (causal): key tiles in reverse launch order, and the dQ partials
+        # of a query tile are added from the highest key tile down.  Key tile n first meets query tile
+        # m_min(n), which grows with n, so the highest key tiles reach every query tile first: adding in that
+        # order means no CTA waits for another in steady state, and every CTA waits only on CTAs launched
+        # before it (lower blockIdx.x).  Without a right bound all key tiles see the same query tiles, in
+        # increasing key order.
+        descending = window_right >= 0
+        if cutlass.const_expr(fused and self.ordered):
+            if descending:
+                n_block = cute.arch.grid_dim()[0] - 1 - n_block
         k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
         k_slot = bounds.slot_length(mCuK, batch)
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
@@ -247,11 +355,15 @@ class BwdDKDVSm90(_Sm90BwdBase):
                         cute.copy(tma_atom_dO, tOgO, tOsO[None, state.index],
                                   tma_bar_ptr=pipe_q.producer_get_barrier(state))
                         state.advance()
+                if cutlass.const_expr(fused):
+                    if warp_idx == 1:
+                        self.reduce_dq(tma_atom_dQ, tma_dQ, sdQ, mSem, mUsedQ, n_block, head_kv, group, batch, n_m,
+                                       m_min, total, q_start, q_len, k_len, off, left, right, descending)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-                self.consume(sK, sV, sQ, sdO, sStat, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv, copy_out,
-                             score_mul, cap_mul, dscale, n_block, head_kv, group, n_m, m_min, total, q_start, q_len,
-                             k_start, k_len, k_slot, off, left, right)
+                self.consume(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv,
+                             copy_out, score_mul, cap_mul, dscale, n_block, head_kv, group, n_m, m_min, total, q_start,
+                             q_len, k_start, k_len, k_slot, off, left, right, fused)
         else:
             tidx, _, _ = cute.arch.thread_idx()
             if tidx < self.num_consumer_threads:
@@ -261,9 +373,66 @@ class BwdDKDVSm90(_Sm90BwdBase):
                     sc.zero_rows_global(self.dtype, BN, HD, copy_out, g, n0, k_slot, tidx)
 
     @cute.jit
-    def consume(self, sK, sV, sQ, sdO, sStat, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv, copy_out,
-                score_mul, cap_mul, dscale, n_block, head_kv, group, n_m, m_min, total, q_start, q_len, k_start,
-                k_len, k_slot, off, left, right):
+    def reduce_dq(self, tma_atom_dQ, tma_dQ, sdQ, mSem, mUsedQ, n_block, head_kv, group, batch, n_m, m_min, total,
+                  q_start, q_len, k_len, off, left, right, descending):
+        """Fused dQ, the producer warpgroup's second warp: add each step's fp32 dQ partial (sdQ, written by
+        the consumers) into the global accumulator with one TMA reduce-add, in a fixed order.
+
+        Determinism: fp32 addition does not commute bit for bit, so the partials of one (sequence, head,
+        query tile) are added in a fixed key-tile order: increasing, or decreasing where `descending` (see
+        `body`).  Before adding, this CTA waits until the tile's semaphore counts exactly the key tiles
+        before it in that order that contribute to the query tile (computed with the same `m_block_range`
+        the contributors iterate with); after its add is complete it increments the semaphore (release).
+        A CTA only waits on CTAs of lower blockIdx.x, launched before it, so the wait cannot deadlock.  Rows of the tile past q_len hold exact zeros (dS = 0 there, K rows past k_len are
+        zeroed): adding them into a neighbouring sequence's rows changes no bit, whatever the order."""
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        lane = cute.arch.lane_idx()
+        n_heads = cute.size(tma_dQ.shape[2])
+        n_mb = cute.size(mSem.shape[0]) // (cute.size(mUsedQ.shape[0]) * n_heads)
+        for it in cutlass.range(total, unroll=1):
+            head = head_kv * group + it // n_m
+            m_block = m_min + it % n_m
+            # Contributors before this CTA in the adding order: each lane tests every 32nd key tile.
+            before = cutlass.Int32(0)
+            c_lo = cutlass.Int32(0)
+            c_hi = n_block
+            if descending:
+                c_lo = n_block + 1
+                c_hi = (k_len + BN - 1) // BN
+            for j in cutlass.range((c_hi - c_lo + 31) // 32, unroll=1):
+                nn = c_lo + j * 32 + lane
+                if nn < c_hi:
+                    lo, hi = bc.m_block_range(nn, BM, BN, q_len, k_len, off, left, right)
+                    if m_block >= lo and m_block < hi:
+                        before += 1
+            before = cute.arch.warp_reduction_sum(before)
+            sem = mSem.iterator + ((batch * n_heads + head) * n_mb + m_block)
+            cute.arch.barrier(barrier_id=_BAR_DQ_FULL, number_of_threads=_DQ_SYNC_THREADS)
+            if cutlass.const_expr(self.ordered):
+                seen = cute.arch.load(sem, cutlass.Int32, sem="acquire", scope="gpu")
+                while seen != before:
+                    seen = cute.arch.load(sem, cutlass.Int32, sem="acquire", scope="gpu")
+            cute.arch.fence_proxy("async.global")
+            gD = cute.local_tile(cute.domain_offset((q_start, 0), tma_dQ[None, None, head]), (BM, HD), (m_block, 0))
+            tDsD, tDgD = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+                                               cute.group_modes(gD, 0, 2))
+            cute.copy(tma_atom_dQ, tDsD, tDgD)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
+            # sdQ may be overwritten now; the consumers wait for this before their next write.
+            if it + 1 < total:
+                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY, number_of_threads=_DQ_SYNC_THREADS)
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.fence_proxy("async.global")
+            if lane == 0:
+                cute.arch.atomic_add(sem, cutlass.Int32(1), sem="release", scope="gpu")
+            cute.arch.sync_warp()
+
+    @cute.jit
+    def consume(self, sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv,
+                copy_out, score_mul, cap_mul, dscale, n_block, head_kv, group, n_m, m_min, total, q_start, q_len,
+                k_start, k_len, k_slot, off, left, right, fused: cutlass.Constexpr):
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         dt = self.dtype
         tidx_all, _, _ = cute.arch.thread_idx()
@@ -311,8 +480,37 @@ class BwdDKDVSm90(_Sm90BwdBase):
         stat_row = t_wg % BM
         stat = self.stat_value(mLSE, mDelta, head_kv * group, q_start, q_len, m_min * BM + stat_row, stat_kind)
 
+        # Fused dQ (dQ partial = dS K per step): dS^T goes to shared memory (both warpgroups' 64 keys are the
+        # GEMM's k extent), each warpgroup computes half of the head dim, the partial goes to sdQ for the
+        # reducer warp (reduce_dq).
+        mma_dq = None
+        mma_dq0 = None
+        tQrdS = None
+        tQrKt = None
+        copy_ds = None
+        copy_dq = None
+        dq_shape = None
+        if cutlass.const_expr(fused):
+            mma_dq = sc.make_mma_split_n(dt, BM, HD // 2, 2, a_major_mn=True, b_major_mn=True)
+            mma_dq0 = sc.make_mma_split_n(dt, BM, HD // 2, 2, a_major_mn=True, b_major_mn=True)
+            mma_dq0.set(warpgroup.Field.ACCUMULATE, False)
+            mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+            wg_dq = mma_dq.get_slice(wg * 128)
+            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sc.transposed(sdS)))
+            tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sc.transposed(sK)))
+            dq_shape = mma_dq.get_slice(tidx).partition_shape_C((BM, HD))
+            copy_ds = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt), mma_s)
+            copy_dq = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32),
+                                             mma_dq)
+
         state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(state_kv)
+        if cutlass.const_expr(fused):
+            if n0 + BN > k_len:
+                # Key rows past k_len meet dS = 0 in dQ += dS K (0 * NaN = NaN): zeros first (each warpgroup
+                # zeroes all of them; same values), then both warpgroups meet before any GEMM.
+                sc.zero_rows_from(dt, BN, HD, sK, k_len - n0, tidx % 128, _BAR_WG_BASE + wg)
+            cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for it in cutlass.range(total, unroll=1):
             head = head_kv * group + it // n_m
@@ -356,6 +554,20 @@ class BwdDKDVSm90(_Sm90BwdBase):
             bc.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 1, self.has_softcap)
             rdS.store(acc_dP.load().to(dt))
             sc.gemm(mma_kv, mma_kv, acc_dK, tPrdS, tKrQt[None, None, None, stage], False)
+            if cutlass.const_expr(fused):
+                thr_ds = copy_ds.get_slice(tidx)
+                cute.copy(copy_ds, thr_ds.retile(rdS), thr_ds.partition_D(sdS[None, None, par]))
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
+                acc_dQ = cute.make_rmem_tensor(dq_shape, cutlass.Float32)
+                sc.gemm(mma_dq0, mma_dq, acc_dQ, tQrdS[None, None, None, par], tQrKt, True)
+                warpgroup.wait_group(0)
+                if it > 0:
+                    cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY, number_of_threads=_DQ_SYNC_THREADS)
+                thr_dq = copy_dq.get_slice(tidx)
+                cute.copy(copy_dq, thr_dq.retile(acc_dQ), thr_dq.partition_D(sdQ))
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL, number_of_threads=_DQ_SYNC_THREADS)
             warpgroup.wait_group(0)
             pipe_q.consumer_release(state)
             state.advance()
@@ -387,6 +599,100 @@ class BwdDKDVSm90(_Sm90BwdBase):
                 else:
                     v = mDelta[head, q_start + i]
         return v
+
+
+class BwdDKDVQSm90(BwdDKDVSm90):
+    """dK, dV and the fp32 dQ partials of one key tile (the 5-GEMM backward): `BwdDKDVSm90` plus, per step,
+    dQ_partial = dS K (wgmma, dS^T staged in shared memory) added into the zero-filled fp32 accumulator
+    `mdQacc` ([total_q, N, head_dim]) by a TMA reduce-add in key-tile order (`reduce_dq`; `mSem`: int32
+    semaphores, zero-filled, [batch * N * ceil(max_seqlen_q / block_m)]).  `DqConvertSm90` then writes dQ."""
+
+    def __init__(self, dtype, head_dim: int, block_m: int = 64, block_n: int = 128, num_stages: int = 2,
+                 has_softcap: bool = False, ordered: bool = True):
+        super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
+        # ordered=False (experiments only, JPS_SM90F_UNORDERED=1): no semaphore wait and natural launch order,
+        # to measure what the ordering costs.  Not deterministic, so it breaks the contract's bitwise
+        # guarantees; never built by default.
+        self.ordered = ordered
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mSem: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_k: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mdQacc, mSem, mCuQ, mCuK, mUsedQ, mUsedK, score_mul,
+                     cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_k, stream)
+
+
+class DqConvertSm90:
+    """dQ = dscale * dQ_accum in the input dtype, for every row of [total_q, N, head_dim]: the accumulator is
+    zero-filled and only ever receives exact zeros in padded rows and gaps, so padded rows of dQ come out
+    exactly 0 and no memset of dQ is needed.  One thread per 8 consecutive values (two 16-byte loads, one
+    16-byte store); one CTA per (8 x 256 / head_dim rows, head)."""
+
+    num_threads = 256
+
+    def __init__(self, dtype, head_dim: int):
+        assert head_dim % 8 == 0 and (self.num_threads * 8) % head_dim == 0
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.rows = self.num_threads * 8 // head_dim
+
+    @cute.jit
+    def __call__(self, mAcc: cute.Tensor, mdQ: cute.Tensor, dscale: cutlass.Float32, stream: cuda.CUstream):
+        HD, R = self.head_dim, self.rows
+        thr = cute.make_layout((R, HD // 8), stride=(HD // 8, 1))
+        val = cute.make_layout((1, 8))
+        copy_in = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128), thr, val)
+        copy_out = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128), thr, val)
+        grid = (cute.ceil_div(cute.size(mAcc.shape[0]), R), cute.size(mAcc.shape[1]), 1)
+        self.kernel(mAcc, mdQ, dscale, copy_in, copy_out).launch(grid=grid, block=[self.num_threads, 1, 1],
+                                                                 stream=stream)
+
+    @cute.kernel
+    def kernel(self, mAcc: cute.Tensor, mdQ: cute.Tensor, dscale: cutlass.Float32, copy_in: cute.TiledCopy,
+               copy_out: cute.TiledCopy):
+        HD, R = self.head_dim, self.rows
+        tidx, _, _ = cute.arch.thread_idx()
+        row_block, head, _ = cute.arch.block_idx()
+        total = cute.size(mAcc.shape[0])
+        gA = cute.local_tile(mAcc[None, head, None], (R, HD), (row_block, 0))
+        gD = cute.local_tile(mdQ[None, head, None], (R, HD), (row_block, 0))
+        cA = cute.local_tile(cute.make_identity_tensor((total, HD)), (R, HD), (row_block, 0))
+        thr_in = copy_in.get_slice(tidx)
+        thr_out = copy_out.get_slice(tidx)
+        tAg = thr_in.partition_S(gA)
+        tAc = thr_in.partition_S(cA)
+        tDg = thr_out.partition_D(gD)
+        if tAc[0][0] < total:
+            r = cute.make_fragment_like(tAg)
+            cute.copy(copy_in, tAg, r)
+            o = cute.make_fragment_like(tDg)
+            o.store((r.load() * dscale).to(self.dtype))
+            cute.copy(copy_out, o, tDg)
 
 
 class BwdDQSm90(_Sm90BwdBase):

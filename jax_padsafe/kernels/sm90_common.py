@@ -6,7 +6,8 @@ view inside `__call__`, `zero_partial_v`); they can be folded onto this module o
 * `smem_layout`: a wgmma/TMA-compatible swizzled (rows, head_dim[, stages]) shared-memory layout.
 * `rows_dim_heads`: the (rows, head_dim, heads) view of a packed [total, heads, head_dim] tensor, so one
   TMA box is (rows, head_dim) of one head.
-* `make_mma`: a wgmma TiledMma over `num_wg` consumer warpgroups stacked along M.
+* `make_mma`: a wgmma TiledMma over `num_wg` consumer warpgroups stacked along M; `make_mma_split_n`:
+  side by side along N.  `fp32_smem_layout`: a TMA-readable fp32 tile (the fused dQ partials).
 * `c_to_a_layout`: a wgmma accumulator fragment re-viewed as the register A operand of the next GEMM.
 * `gemm`: issue one warpgroup GEMM (first k-block may overwrite) and commit it.
 * `zero_rows_from`: pad-safety under TMA (which zero-fills only outside the whole tensor): overwrite the
@@ -41,8 +42,9 @@ def rows_dim_heads(t: cute.Tensor) -> cute.Tensor:
 
 
 def transposed(s: cute.Tensor) -> cute.Tensor:
-    """(rows, head_dim, stages) shared tensor -> (head_dim, rows, stages): the MN-major B operand view."""
-    return cute.make_tensor(s.iterator, cute.select(s.layout, mode=[1, 0, 2]))
+    """(rows, cols[, stages]) shared tensor -> (cols, rows[, stages]): the MN-major operand view."""
+    modes = [1, 0, 2] if cute.rank(s.layout) == 3 else [1, 0]
+    return cute.make_tensor(s.iterator, cute.select(s.layout, mode=modes))
 
 
 def make_mma(dtype, num_wg: int, tile_m_per_wg: int, tile_n: int, b_major_mn: bool, a_from_regs: bool):
@@ -54,6 +56,23 @@ def make_mma(dtype, num_wg: int, tile_m_per_wg: int, tile_n: int, b_major_mn: bo
     if a_from_regs:
         args.append(warpgroup.OperandSource.RMEM)
     return sm90_utils.make_trivial_tiled_mma(*args)
+
+
+def make_mma_split_n(dtype, tile_m: int, tile_n_per_wg: int, num_wg: int, a_major_mn: bool, b_major_mn: bool):
+    """wgmma TiledMma with `num_wg` warpgroups side by side along N (each tile_m x tile_n_per_wg), both
+    operands from shared memory: for a GEMM whose M is one warpgroup's 64 rows (the fused dQ = dS K of the
+    dK/dV kernel, where each consumer warpgroup takes half of the head dim)."""
+    a_mode = warpgroup.OperandMajorMode.MN if a_major_mn else warpgroup.OperandMajorMode.K
+    b_mode = warpgroup.OperandMajorMode.MN if b_major_mn else warpgroup.OperandMajorMode.K
+    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, a_mode, b_mode, cutlass.Float32, (1, num_wg, 1),
+                                             (tile_m, tile_n_per_wg))
+
+
+def fp32_smem_layout(rows: int, cols: int):
+    """Swizzled row-major fp32 (rows, cols) layout a TMA unit can read (the fused dQ partial tile)."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.Float32, cols), cutlass.Float32)
+    return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
 
 
 def c_to_a_layout(lay):

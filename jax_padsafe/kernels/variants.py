@@ -27,7 +27,7 @@ SM90_TILES = {64: (128, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192: (12
 
 # Codes shared with ffi/ (see ffi/jps_fwd.cc): dtype codes and arch codes.
 DTYPE_CODE = {"bf16": 0, "fp16": 1}
-FAMILY_CODE = {"sm80": 0, "sm90": 1}
+FAMILY_CODE = {"sm80": 0, "sm90": 1, "sm90f": 2}
 ARCH_CODE = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90a": 90, "sm_100a": 100, "sm_120": 120}
 
 
