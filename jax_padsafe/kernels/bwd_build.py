@@ -166,8 +166,8 @@ def _compile_one(args):
         f3 = lambda: make_fake_compact_tensor(cutlass.Float32, (sym(), sym(), H), stride_order=(2, 1, 0),  # noqa: E731
                                               assumed_align=16)
         ordered = os.environ.get("JPS_SM90F_UNORDERED", "0") != "1"
-        dkdv = cute.compile(BwdDKDVQSm90(dt, H, bm, bn, nt, variant.softcap, ordered), x3(), x3(), x3(), x3(), f2(), f2(),
-                            x3(), x3(), f3(), i1(), i1(), i1(), i1(), i1(), 1.0, 1.0, 1.0, 0, 0, 0, 1,
+        dkdv = cute.compile(BwdDKDVQSm90(dt, H, bm, bn, nt, variant.softcap, ordered), x3(), x3(), x3(), x3(), f2(),
+                            f2(), x3(), x3(), f3(), i1(), i1(), i1(), i1(), i1(), 1.0, 1.0, 1.0, 0, 0, 0, 1,
                             make_fake_stream(), options=opts)
         dkdv.export_to_c(out, p + "_dkdv", function_prefix=p + "_dkdv")
         conv = cute.compile(DqConvertSm90(dt, H), f3(), x3(), 1.0, make_fake_stream(), options=opts)

@@ -85,9 +85,9 @@ class _Sm90BwdBase:
 
 
 class BwdDKDVSm90(_Sm90BwdBase):
-    ordered = True
-
     """dK, dV for one key tile of block_n = 2 x 64 keys (all query heads of its GQA group)."""
+
+    ordered = True  # the fused-dQ subclass's reduction order (BwdDKDVQSm90)
 
     def __init__(self, dtype, head_dim: int, block_m: int = 64, block_n: int = 128, num_stages: int = 2,
                  has_softcap: bool = False):
@@ -148,7 +148,7 @@ class BwdDKDVSm90(_Sm90BwdBase):
         stages = self.num_stages
         # Fused dQ: dS^T (keys, queries; double-buffered) and the fp32 dQ partial (queries, head_dim).
         sdS_layout = sc.smem_layout(dt, BN, BM, 2)
-        sdQ_layout = sc.fp32_smem_layout(BM, HD)
+        sdQ_layout = sc.smem_layout(cutlass.Float32, BM, HD)
         ds_elems = cute.cosize(sdS_layout) if fused else 8
         dq_elems = cute.cosize(sdQ_layout) if fused else 4
 
@@ -383,8 +383,9 @@ class BwdDKDVSm90(_Sm90BwdBase):
         `body`).  Before adding, this CTA waits until the tile's semaphore counts exactly the key tiles
         before it in that order that contribute to the query tile (computed with the same `m_block_range`
         the contributors iterate with); after its add is complete it increments the semaphore (release).
-        A CTA only waits on CTAs of lower blockIdx.x, launched before it, so the wait cannot deadlock.  Rows of the tile past q_len hold exact zeros (dS = 0 there, K rows past k_len are
-        zeroed): adding them into a neighbouring sequence's rows changes no bit, whatever the order."""
+        A CTA only waits on CTAs of lower blockIdx.x, launched before it, so the wait cannot deadlock.
+        Rows of the tile past q_len hold exact zeros (dS = 0 there, K rows past k_len are zeroed): adding
+        them into a neighbouring sequence's rows changes no bit, whatever the order."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         lane = cute.arch.lane_idx()
         n_heads = cute.size(tma_dQ.shape[2])

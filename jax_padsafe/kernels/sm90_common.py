@@ -7,7 +7,7 @@ view inside `__call__`, `zero_partial_v`); they can be folded onto this module o
 * `rows_dim_heads`: the (rows, head_dim, heads) view of a packed [total, heads, head_dim] tensor, so one
   TMA box is (rows, head_dim) of one head.
 * `make_mma`: a wgmma TiledMma over `num_wg` consumer warpgroups stacked along M; `make_mma_split_n`:
-  side by side along N.  `fp32_smem_layout`: a TMA-readable fp32 tile (the fused dQ partials).
+  side by side along N.
 * `c_to_a_layout`: a wgmma accumulator fragment re-viewed as the register A operand of the next GEMM.
 * `gemm`: issue one warpgroup GEMM (first k-block may overwrite) and commit it.
 * `zero_rows_from`: pad-safety under TMA (which zero-fills only outside the whole tensor): overwrite the
@@ -28,7 +28,8 @@ from . import tiles
 
 
 def smem_layout(dtype, rows: int, head_dim: int, stages: int = 0):
-    """Row-major (head_dim contiguous) swizzled layout of (rows, head_dim) or (rows, head_dim, stages)."""
+    """Row-major (head_dim contiguous) swizzled layout of (rows, head_dim) or (rows, head_dim, stages); any
+    element type (fp32: the fused dQ partial tile that a TMA reduce-add reads)."""
     atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, head_dim),
                                            dtype)
     if stages:
@@ -66,13 +67,6 @@ def make_mma_split_n(dtype, tile_m: int, tile_n_per_wg: int, num_wg: int, a_majo
     b_mode = warpgroup.OperandMajorMode.MN if b_major_mn else warpgroup.OperandMajorMode.K
     return sm90_utils.make_trivial_tiled_mma(dtype, dtype, a_mode, b_mode, cutlass.Float32, (1, num_wg, 1),
                                              (tile_m, tile_n_per_wg))
-
-
-def fp32_smem_layout(rows: int, cols: int):
-    """Swizzled row-major fp32 (rows, cols) layout a TMA unit can read (the fused dQ partial tile)."""
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.Float32, cols), cutlass.Float32)
-    return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
 
 
 def c_to_a_layout(lay):
