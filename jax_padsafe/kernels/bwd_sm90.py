@@ -85,14 +85,32 @@ class _Sm90BwdBase:
 
 
 class BwdDKDVSm90(_Sm90BwdBase):
-    """dK, dV for one key tile of block_n = 2 x 64 keys (all query heads of its GQA group)."""
+    """dK, dV for one key tile (all query heads of its GQA group), in one of two warpgroup splits:
+
+    * block_n = 128 (head dims up to 128): each consumer warpgroup owns 64 keys: its own S^T / dP^T rows and
+      the dK / dV rows of those keys (2 x 64 x head_dim fp32 accumulators per warpgroup).
+    * block_n = 64 (`split_head_dim`, head dims 192 / 256): both warpgroups compute the same S^T / dP^T of the 64
+      keys, and each accumulates dK / dV for its half of the head dim.  At head dim 256 the key split would
+      need 256 accumulator registers per thread; this split keeps 128 (96 at head dim 192) at the price of
+      computing S^T and dP^T twice (6 GEMM units per step for 4 useful ones).
+    """
 
     ordered = True  # the fused-dQ subclass's reduction order (BwdDKDVQSm90)
 
     def __init__(self, dtype, head_dim: int, block_m: int = 64, block_n: int = 128, num_stages: int = 2,
                  has_softcap: bool = False):
         super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
-        assert block_n == 128
+        assert block_n in (64, 128)
+        self.split_head_dim = block_n == 64
+        # Each warpgroup's half of the head dim is whole swizzle atoms (hd192: 32-column atoms, 3 per half).
+        assert not self.split_head_dim or (head_dim // 2) % 32 == 0
+
+    def _mma_s(self):
+        """S^T / dP^T (keys, queries), A = K / V (K-major), B = Q / dO (K-major): one warpgroup per 64 keys,
+        or (split_head_dim) one warpgroup tile of the 64 keys that both warpgroups compute."""
+        if cutlass.const_expr(self.split_head_dim):
+            return sc.make_mma(self.dtype, 1, self.block_n, self.block_m, b_major_mn=False, a_from_regs=False)
+        return sc.make_mma(self.dtype, 2, self.block_n // 2, self.block_m, b_major_mn=False, a_from_regs=False)
 
     @cute.jit
     def __call__(
@@ -130,8 +148,11 @@ class BwdDKDVSm90(_Sm90BwdBase):
         fused = mdQacc is not None
         dt = self.dtype
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
-        sQ_layout = sc.smem_layout(dt, BM, HD, self.num_stages)
-        sK_layout = sc.smem_layout(dt, BN, HD)
+        # split_head_dim: a warpgroup's half of the head dim is whole swizzle atoms of Q / dO (the dK / dV GEMMs'
+        # B operand) and of K / V (which stage the dK / dV epilogue).
+        half = HD // 2 if self.split_head_dim else 0
+        sQ_layout = sc.smem_layout(dt, BM, HD, self.num_stages, half)
+        sK_layout = sc.smem_layout(dt, BN, HD, 0, half)
         q_box = cute.select(sQ_layout, mode=[0, 1])
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mQ), q_box, (BM, HD), 1)
@@ -140,10 +161,13 @@ class BwdDKDVSm90(_Sm90BwdBase):
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mV), sK_layout, (BN, HD))
         q_bytes = cute.size_in_bytes(dt, q_box)
         k_bytes = cute.size_in_bytes(dt, sK_layout)
-        # S^T / dP^T: (keys, queries), A = K / V (K-major), B = Q / dO (K-major).
-        mma_s = sc.make_mma(dt, 2, BN // 2, BM, b_major_mn=False, a_from_regs=False)
-        # dV / dK: (keys, head_dim), A = P^T / dS^T from registers, B = dO^T / Q^T (MN-major).
-        mma_kv = sc.make_mma(dt, 2, BN // 2, HD, b_major_mn=True, a_from_regs=True)
+        mma_s = self._mma_s()
+        # dV / dK: (keys, head_dim), A = P^T / dS^T from registers, B = dO^T / Q^T (MN-major); warpgroups
+        # stacked along the keys, or side by side along the head dim (split_head_dim).
+        if cutlass.const_expr(self.split_head_dim):
+            mma_kv = sc.make_mma_split_n(dt, BN, HD // 2, 2, a_major_mn=False, b_major_mn=True, a_from_regs=True)
+        else:
+            mma_kv = sc.make_mma(dt, 2, BN // 2, HD, b_major_mn=True, a_from_regs=True)
         copy_out = tiles.gmem_tiled_copy(dt, HD, self.num_consumer_threads, async_copy=False)
         stages = self.num_stages
         # Fused dQ: dS^T (keys, queries; double-buffered) and the fp32 dQ partial (queries, head_dim).
@@ -443,13 +467,18 @@ class BwdDKDVSm90(_Sm90BwdBase):
 
         # Accumulate flags are fixed per TiledMma object (never set inside staged control flow): the first
         # k-block of S^T / dP^T uses mma_s0 (overwrite), everything else accumulates.
-        mma_s0 = sc.make_mma(dt, 2, BN // 2, BM, b_major_mn=False, a_from_regs=False)
+        mma_s0 = self._mma_s()
         mma_s0.set(warpgroup.Field.ACCUMULATE, False)
         mma_s.set(warpgroup.Field.ACCUMULATE, True)
         mma_kv.set(warpgroup.Field.ACCUMULATE, True)
-        wg_s = mma_s.get_slice(wg * 128)
+        if cutlass.const_expr(self.split_head_dim):
+            # mma_s is one warpgroup's tile, which both warpgroups compute.
+            wg_s = mma_s.get_slice(0)
+            thr_s = mma_s.get_slice(tidx % 128)
+        else:
+            wg_s = mma_s.get_slice(wg * 128)
+            thr_s = mma_s.get_slice(tidx)
         wg_kv = mma_kv.get_slice(wg * 128)
-        thr_s = mma_s.get_slice(tidx)
         thr_kv = mma_kv.get_slice(tidx)
         tSrK = wg_s.make_fragment_A(wg_s.partition_A(sK))
         tSrV = wg_s.make_fragment_A(wg_s.partition_A(sV))

@@ -27,11 +27,13 @@ from cutlass.utils import LayoutEnum
 from . import tiles
 
 
-def smem_layout(dtype, rows: int, head_dim: int, stages: int = 0):
+def smem_layout(dtype, rows: int, head_dim: int, stages: int = 0, atom_cols: int = 0):
     """Row-major (head_dim contiguous) swizzled layout of (rows, head_dim) or (rows, head_dim, stages); any
-    element type (fp32: the fused dQ partial tile that a TMA reduce-add reads)."""
-    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, head_dim),
-                                           dtype)
+    element type (fp32: the fused dQ partial tile that a TMA reduce-add reads).  The swizzle atom is the
+    widest (up to 128 B) that divides `atom_cols` (default head_dim): a GEMM operand that starts at column
+    c of the tile needs c to be a multiple of the atom's width."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols or head_dim), dtype)
     if stages:
         return cute.tile_to_shape(atom, (rows, head_dim, stages), order=(0, 1, 2))
     return cute.tile_to_shape(atom, (rows, head_dim), order=(0, 1))
@@ -59,14 +61,18 @@ def make_mma(dtype, num_wg: int, tile_m_per_wg: int, tile_n: int, b_major_mn: bo
     return sm90_utils.make_trivial_tiled_mma(*args)
 
 
-def make_mma_split_n(dtype, tile_m: int, tile_n_per_wg: int, num_wg: int, a_major_mn: bool, b_major_mn: bool):
-    """wgmma TiledMma with `num_wg` warpgroups side by side along N (each tile_m x tile_n_per_wg), both
-    operands from shared memory: for a GEMM whose M is one warpgroup's 64 rows (the fused dQ = dS K of the
-    dK/dV kernel, where each consumer warpgroup takes half of the head dim)."""
+def make_mma_split_n(dtype, tile_m: int, tile_n_per_wg: int, num_wg: int, a_major_mn: bool, b_major_mn: bool,
+                     a_from_regs: bool = False):
+    """wgmma TiledMma with `num_wg` warpgroups side by side along N (each tile_m x tile_n_per_wg), for a GEMM
+    whose M is one warpgroup's 64 rows: the fused dQ = dS K of the dK/dV kernel (both operands in shared
+    memory) and the head-dim-split dK / dV GEMMs (A = P^T / dS^T from registers, `a_from_regs`; every
+    warpgroup holds the whole A), where each consumer warpgroup takes half of the head dim."""
     a_mode = warpgroup.OperandMajorMode.MN if a_major_mn else warpgroup.OperandMajorMode.K
     b_mode = warpgroup.OperandMajorMode.MN if b_major_mn else warpgroup.OperandMajorMode.K
-    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, a_mode, b_mode, cutlass.Float32, (1, num_wg, 1),
-                                             (tile_m, tile_n_per_wg))
+    args = [dtype, dtype, a_mode, b_mode, cutlass.Float32, (1, num_wg, 1), (tile_m, tile_n_per_wg)]
+    if a_from_regs:
+        args.append(warpgroup.OperandSource.RMEM)
+    return sm90_utils.make_trivial_tiled_mma(*args)
 
 
 def c_to_a_layout(lay):
