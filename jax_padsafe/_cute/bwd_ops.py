@@ -5,10 +5,11 @@ cu_seqlens_* int32 [B+1], seqused_* int32 [B].  Returns (dq, dk, dv) in the inpu
 pad-safety contract: padded rows of dq/dk/dv and keys no valid query sees are exactly 0, valid rows
 with lse = -inf give dq = 0 and add nothing to dk/dv, and nothing depends on what padded memory holds.
 
-Kernels (jax_padsafe/kernels/bwd_sm80.py): preprocess (Delta = rowsum(dO*O) - dlse into a zero-filled
-workspace), dK/dV (one CTA per key tile, looping over the query heads of its GQA group and the query
-tiles; for head dims above 128 two launches of it, a dV pass and a dK pass, so that one 16 x HD fp32
-accumulator per warp fits in registers), dQ (one CTA per query tile, looping over key tiles).  No
+Kernels (jax_padsafe/kernels/bwd_sm80.py; on Hopper the dK/dV and dQ kernels of bwd_sm90.py): preprocess
+(Delta = rowsum(dO*O) - dlse into a zero-filled workspace), dK/dV (one CTA per key tile, looping over the
+query heads of its GQA group and the query tiles; for head dims above 128 two launches of it, a dV pass
+and a dK pass, so that one 16 x HD fp32 accumulator per warp fits in registers; the Hopper kernel instead
+splits the head dim between its two warpgroups), dQ (one CTA per query tile, looping over key tiles).  No
 atomics and no global accumulator: every call is deterministic, so `deterministic=True` costs nothing
 extra; the price of this design is that S = QK^T and dP = dO V^T are computed in both kernels (7 GEMMs
 instead of 5; 8 with the split dK/dV kernel).

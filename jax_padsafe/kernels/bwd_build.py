@@ -6,9 +6,9 @@
 Same environment overrides as build.py (JPS_ARCHS, JPS_DTYPES, JPS_HEAD_DIMS, JPS_SOFTCAP, JPS_JOBS);
 head dims default to `BWD_HEAD_DIMS` (the backward's supported set).  JPS_SM90_BWD=1 (--sm90-bwd 1) also
 builds the Hopper TMA + wgmma backward family (bwd_sm90: dK/dV and dQ kernels; the preprocess stays
-bwd_sm80's) for sm_90a and the head dims in `SM90_BWD_TILES` (64, 128); the handler prefers it on compute
+bwd_sm80's) for sm_90a and the head dims in `SM90_BWD_TILES` (all of them); the handler prefers it on compute
 capability 9.0 (JAX_PADSAFE_SM90_BWD=0 at run time opts out).  On by default since it passed
-tests/gpu/check_backward.py on an H100 (hd128 bf16/fp16 26/26, hd64 30/30; benchmarks/NOTES_sm90_bwd.md); JPS_SM90_BWD=0
+tests/gpu/check_backward.py on an H100 (every head dim, bf16/fp16; benchmarks/NOTES_sm90_bwd.md); JPS_SM90_BWD=0
 builds without it.  JPS_SM90_BWD_TILES="128=64x128x3,128x64x2" overrides its tiles (dK/dV, dQ:
 block_m x block_n x stages) for experiments.
 JPS_SM90F_BWD=1 (--sm90f-bwd 1, the default) also builds the fused-dQ family `sm90f` for sm_90a at the head
@@ -64,11 +64,12 @@ BWD_STAGES = {}
 # (hd192/256) selects the head-dim split (BwdDKDVSm90.split_head_dim): dK and dV of 64 keys x HD per
 # warpgroup would need HD fp32 registers per thread, so both warpgroups compute S^T / dP^T of the same 64 keys
 # and each keeps half of the head dim.  hd256's dQ kernel streams 32-key K/V tiles (Q + dO resident: 128 KB).
-# Shared memory per block: 192 KB (hd256 both kernels, hd192 dQ), 144 KB (hd192 dK/dV).
-# hd64 (H100, 2026-11-23, check_backward 30/30): fwd+bwd 1.4-1.8x the SM80-class backward; 64x128x3 /
-# 128x128x2 measured equal within 2% (benchmarks/NOTES_sm90_bwd.md, session 7).
+# Shared memory per block: 192 KB (hd256 both kernels, hd192 dQ), 144 KB (hd192 dK/dV; 3 stages measured equal).
+# H100, 2026-11-23 (check_backward hd64 30/30, hd96 26/26, hd192 + hd256 64/64): fwd+bwd 1.4-2.3x the SM80-class
+# backward; hd64 64x128x3 / 128x128x2 measured equal within 2% (benchmarks/NOTES_sm90_bwd.md, session 7).
 SM90_BWD_TILES = {
     64: ((64, 128, 2), (128, 64, 2)),
+    96: ((64, 128, 2), (128, 64, 2)),
     128: ((64, 128, 2), (128, 64, 2)),
     192: ((64, 64, 2), (128, 64, 2)),
     256: ((64, 64, 2), (128, 32, 2)),

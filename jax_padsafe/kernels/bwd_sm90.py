@@ -54,7 +54,7 @@ _DQ_SYNC_THREADS = 256 + 32
 
 class _Sm90BwdBase:
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool):
-        assert head_dim % 64 == 0
+        assert head_dim % 32 == 0  # hd96: 32-column (64-byte) swizzle atoms, chosen by sm90_common.smem_layout
         self.dtype = dtype
         self.head_dim = head_dim
         self.block_m = block_m
