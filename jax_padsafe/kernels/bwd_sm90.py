@@ -50,6 +50,10 @@ _BAR_WG_BASE = 2  # + consumer warpgroup index: one consumer warpgroup (128 thre
 _BAR_DQ_FULL = 4
 _BAR_DQ_EMPTY = 5
 _DQ_SYNC_THREADS = 256 + 32
+# Head-dim split with exchange (BwdDKDVSm90.exchange): P^T is in shared memory (warpgroup 0 arrives, warpgroup 1
+# waits) / dS^T is in shared memory (warpgroup 1 arrives, warpgroup 0 waits); both consumer warpgroups.
+_BAR_P_READY = 6
+_BAR_DS_READY = 7
 
 
 class _Sm90BwdBase:
@@ -89,10 +93,13 @@ class BwdDKDVSm90(_Sm90BwdBase):
 
     * block_n = 128 (head dims up to 128): each consumer warpgroup owns 64 keys: its own S^T / dP^T rows and
       the dK / dV rows of those keys (2 x 64 x head_dim fp32 accumulators per warpgroup).
-    * block_n = 64 (`split_head_dim`, head dims 192 / 256): both warpgroups compute the same S^T / dP^T of the 64
-      keys, and each accumulates dK / dV for its half of the head dim.  At head dim 256 the key split would
-      need 256 accumulator registers per thread; this split keeps 128 (96 at head dim 192) at the price of
-      computing S^T and dP^T twice (6 GEMM units per step for 4 useful ones).
+    * block_n = 64 (`split_head_dim`, head dims 192 / 256): each warpgroup accumulates dK / dV of the 64 keys
+      for its half of the head dim.  At head dim 256 the key split would need 256 accumulator registers per
+      thread; this split keeps 128 (96 at head dim 192).  Without softcap (`exchange`) warpgroup 0 computes
+      S^T and P^T, warpgroup 1 dP^T and dS^T, and they swap P^T (fp32) and dS^T through shared memory; with
+      softcap both compute the same S^T / dP^T (6 GEMM units per step for 4 useful ones), since dS^T also
+      needs the softcap derivative.  Both give bitwise the same dK / dV: the same wgmma shapes, the same
+      element-wise math.
     """
 
     ordered = True  # the fused-dQ subclass's reduction order (BwdDKDVQSm90)
@@ -104,6 +111,12 @@ class BwdDKDVSm90(_Sm90BwdBase):
         self.split_head_dim = block_n == 64
         # Each warpgroup's half of the head dim is whole swizzle atoms (hd192: 32-column atoms, 3 per half).
         assert not self.split_head_dim or (head_dim // 2) % 32 == 0
+        self.exchange = self.split_head_dim and not has_softcap
+
+    def _exchange_layouts(self):
+        """`exchange`: shared tiles of P^T (fp32) and dS^T (input dtype), (keys, queries), swizzled."""
+        return (sc.smem_layout(cutlass.Float32, self.block_n, self.block_m),
+                sc.smem_layout(self.dtype, self.block_n, self.block_m))
 
     def _mma_s(self):
         """S^T / dP^T (keys, queries), A = K / V (K-major), B = Q / dO (K-major): one warpgroup per 64 keys,
@@ -175,6 +188,11 @@ class BwdDKDVSm90(_Sm90BwdBase):
         sdQ_layout = sc.smem_layout(cutlass.Float32, BM, HD)
         ds_elems = cute.cosize(sdS_layout) if fused else 8
         dq_elems = cute.cosize(sdQ_layout) if fused else 4
+        if cutlass.const_expr(self.exchange):
+            # sdQ holds P^T (fp32), sdS holds dS^T; hd256: 192 KB + 16 KB + 8 KB.
+            sPx_layout, sdSx_layout = self._exchange_layouts()
+            ds_elems = cute.cosize(sdSx_layout)
+            dq_elems = cute.cosize(sPx_layout)
 
         @cute.struct
         class SharedStorage:
@@ -323,6 +341,10 @@ class BwdDKDVSm90(_Sm90BwdBase):
         if cutlass.const_expr(fused):
             sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        if cutlass.const_expr(self.exchange):
+            sPx_layout, sdSx_layout = self._exchange_layouts()
+            sdS = storage.sdS.get_tensor(sdSx_layout.outer, swizzle=sdSx_layout.inner)
+            sdQ = storage.sdQ.get_tensor(sPx_layout.outer, swizzle=sPx_layout.inner)
 
         n_block, head_kv, batch = cute.arch.block_idx()
         # Fused dQ with a bounded right window (causal): key tiles in reverse launch order, and the dQ partials
@@ -533,6 +555,15 @@ class BwdDKDVSm90(_Sm90BwdBase):
             copy_dq = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32),
                                              mma_dq)
 
+        # Exchange (head-dim split without softcap): per-thread views of P^T (fp32) and dS^T in shared memory,
+        # in the S^T fragment's layout (the same thread of the other warpgroup reads what this one wrote).
+        copy_px = None
+        copy_dsx = None
+        if cutlass.const_expr(self.exchange):
+            copy_px = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32),
+                                             mma_s)
+            copy_dsx = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt), mma_s)
+
         state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(state_kv)
         if cutlass.const_expr(fused):
@@ -560,30 +591,36 @@ class BwdDKDVSm90(_Sm90BwdBase):
                 # Query rows past q_len: zeros before any GEMM reads the stage (0 * NaN = NaN otherwise).
                 sc.zero_rows_from(dt, BM, HD, sQ[None, None, stage], q_len - m0, tidx % 128, _BAR_WG_BASE + wg)
                 sc.zero_rows_from(dt, BM, HD, sdO[None, None, stage], q_len - m0, tidx % 128, _BAR_WG_BASE + wg)
-            acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-            sc.gemm(mma_s0, mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True)
-            acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-            sc.gemm(mma_s0, mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True)
-            warpgroup.wait_group(1)
-            s_mn = masking.acc_mn_view_sm90(acc_S)
-            t_mn = s_mn
-            if cutlass.const_expr(self.has_softcap):
-                acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-                t_mn = masking.acc_mn_view_sm90(acc_T)
-            need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
-            for x in cutlass.range_constexpr(n_cols):
-                lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
-            bc.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0, k_len, off, left, right, score_mul, cap_mul, need, 1,
-                                self.has_softcap)
-            rP.store(acc_S.load().to(dt))
-            warpgroup.wait_group(0)
-            # dV += P^T dO runs while dS^T is formed.
-            sc.gemm(mma_kv, mma_kv, acc_dV, tPrP, tVrdOt[None, None, None, stage], False)
-            for x in cutlass.range_constexpr(n_cols):
-                delta[x] = sStat[cS_mn[0, x][1], 1, par, wg]
-            bc.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 1, self.has_softcap)
-            rdS.store(acc_dP.load().to(dt))
-            sc.gemm(mma_kv, mma_kv, acc_dK, tPrdS, tKrQt[None, None, None, stage], False)
+            if cutlass.const_expr(self.exchange):
+                self.exchange_step(wg, tidx % 128, stage, par, sStat, sdQ, sdS, copy_px, copy_dsx, mma_s0, mma_s,
+                                   mma_kv, tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, acc_dK, acc_dV, rP, rdS, tPrP,
+                                   tPrdS, cS_mn, lse2, delta, s_shape, n_block, m_block, q_len, k_len, off, left,
+                                   right, score_mul, cap_mul)
+            else:
+                acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                sc.gemm(mma_s0, mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+                acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                sc.gemm(mma_s0, mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True)
+                warpgroup.wait_group(1)
+                s_mn = masking.acc_mn_view_sm90(acc_S)
+                t_mn = s_mn
+                if cutlass.const_expr(self.has_softcap):
+                    acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                    t_mn = masking.acc_mn_view_sm90(acc_T)
+                need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
+                for x in cutlass.range_constexpr(n_cols):
+                    lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
+                bc.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0, k_len, off, left, right, score_mul, cap_mul,
+                                    need, 1, self.has_softcap)
+                rP.store(acc_S.load().to(dt))
+                warpgroup.wait_group(0)
+                # dV += P^T dO runs while dS^T is formed.
+                sc.gemm(mma_kv, mma_kv, acc_dV, tPrP, tVrdOt[None, None, None, stage], False)
+                for x in cutlass.range_constexpr(n_cols):
+                    delta[x] = sStat[cS_mn[0, x][1], 1, par, wg]
+                bc.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 1, self.has_softcap)
+                rdS.store(acc_dP.load().to(dt))
+                sc.gemm(mma_kv, mma_kv, acc_dK, tPrdS, tKrQt[None, None, None, stage], False)
             if cutlass.const_expr(fused):
                 thr_ds = copy_ds.get_slice(tidx)
                 cute.copy(copy_ds, thr_ds.retile(rdS), thr_ds.partition_D(sdS[None, None, par]))
@@ -612,6 +649,61 @@ class BwdDKDVSm90(_Sm90BwdBase):
         sc.store_rows_via_smem(acc_dV, cutlass.Float32(1.0), dt, mma_kv, copy_out, sV, gdV, BN, HD, n0, k_len, tidx,
                                _BAR_CONSUMERS, self.num_consumer_threads, k_slot)
 
+
+    @cute.jit
+    def exchange_step(self, wg, tidx_wg, stage, par, sStat, sPx, sdSx, copy_px, copy_dsx, mma_s0, mma_s, mma_kv, tSrK,
+                      tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, acc_dK, acc_dV, rP, rdS, tPrP, tPrdS, cS_mn, lse2, delta,
+                      s_shape, n_block, m_block, q_len, k_len, off, left, right, score_mul, cap_mul):
+        """One step of the head-dim split without softcap.  Warpgroup 0: S^T = K Q^T, P^T (masks by select),
+        P^T -> sPx, dV_0 += P^T dO_0 (its half of the head dim), then dS^T <- sdSx and dK_0 += dS^T Q_0.
+        Warpgroup 1: dP^T = V dO^T, P^T <- sPx, dS^T = P^T (dP^T - Delta) (0 where P^T = 0, by select),
+        dS^T -> sdSx, dV_1 += P^T dO_1, dK_1 += dS^T Q_1.  Each shared tile has one writer and one reader per
+        step; the named barriers order them, and a warpgroup writes the next step's tile only after it has
+        waited for the other's tile of this step, which the other wrote after reading this step's (so one
+        buffer each is enough).  P^T crosses in fp32, so dS^T is computed exactly as without the exchange."""
+        BM, BN = self.block_m, self.block_n
+        dt = self.dtype
+        n_cols = cute.size(cS_mn, mode=[1])
+        acc_X = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+        x_mn = masking.acc_mn_view_sm90(acc_X)
+        thr_px = copy_px.get_slice(tidx_wg)
+        thr_dsx = copy_dsx.get_slice(tidx_wg)
+        if wg == 0:
+            sc.gemm(mma_s0, mma_s, acc_X, tSrK, tSrQ[None, None, None, stage], True)
+            need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
+            for x in cutlass.range_constexpr(n_cols):
+                lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
+            warpgroup.wait_group(0)
+            bc.probs_and_dscale(x_mn, x_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
+                                score_mul, cap_mul, need, 1, False)
+            cute.copy(copy_px, thr_px.retile(acc_X), thr_px.partition_D(sPx))
+            cute.arch.barrier_arrive(barrier_id=_BAR_P_READY, number_of_threads=self.num_consumer_threads)
+            rP.store(acc_X.load().to(dt))
+            # dV_0 += P^T dO_0 runs while warpgroup 1 forms dS^T.
+            sc.gemm(mma_kv, mma_kv, acc_dV, tPrP, tVrdOt[None, None, None, stage], False)
+            cute.arch.barrier(barrier_id=_BAR_DS_READY, number_of_threads=self.num_consumer_threads)
+            cute.copy(copy_dsx, thr_dsx.partition_S(sdSx), thr_dsx.retile(rdS))
+            sc.gemm(mma_kv, mma_kv, acc_dK, tPrdS, tKrQt[None, None, None, stage], False)
+            # Retire every wgmma group inside the branch: with a group in flight across the branches' merge
+            # ptxas serialises every wgmma of the kernel (a wait after each HGMMA in SASS).
+            warpgroup.wait_group(0)
+        else:
+            sc.gemm(mma_s0, mma_s, acc_X, tSrV, tSrdO[None, None, None, stage], True)
+            for x in cutlass.range_constexpr(n_cols):
+                delta[x] = sStat[cS_mn[0, x][1], 1, par, wg]
+            acc_P = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+            warpgroup.wait_group(0)
+            cute.arch.barrier(barrier_id=_BAR_P_READY, number_of_threads=self.num_consumer_threads)
+            cute.copy(copy_px, thr_px.partition_S(sPx), thr_px.retile(acc_P))
+            p_mn = masking.acc_mn_view_sm90(acc_P)
+            bc.dscores(p_mn, x_mn, p_mn, delta, 1, False)
+            rdS.store(acc_X.load().to(dt))
+            cute.copy(copy_dsx, thr_dsx.retile(rdS), thr_dsx.partition_D(sdSx))
+            cute.arch.barrier_arrive(barrier_id=_BAR_DS_READY, number_of_threads=self.num_consumer_threads)
+            rP.store(acc_P.load().to(dt))
+            sc.gemm(mma_kv, mma_kv, acc_dV, tPrP, tVrdOt[None, None, None, stage], False)
+            sc.gemm(mma_kv, mma_kv, acc_dK, tPrdS, tKrQt[None, None, None, stage], False)
+            warpgroup.wait_group(0)
 
     @cute.jit
     def stat_value(self, mLSE: cute.Tensor, mDelta: cute.Tensor, head: cutlass.Int32, q_start: cutlass.Int32,
