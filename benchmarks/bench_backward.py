@@ -2,6 +2,7 @@
 jax.nn.dot_product_attention (implementation="cudnn" and "xla") in one run.  bf16, 16k tokens per batch.
 
     PYTHONPATH=. python benchmarks/bench_backward.py [--out results.json] [--dims 128] [--seqs 2048,4096,8192]
+        [--softcap 50]  (cute only: jax.nn has no softcap)
 
 Each timed call computes o = attention(q, k, v) and (dq, dk, dv) = vjp(do) under one jit.  FLOPs counted
 as in ../shared anchors: forward 4 * N * H * (visible pairs), forward+backward 3.5x that (backward = 2.5x
@@ -19,7 +20,7 @@ from jax_padsafe._cute import bwd_ops, ops
 from bench_forward import bench  # the benchmarks' one timing rule
 
 
-def cute_fwd_bwd(B, S, causal, scale, deterministic=False):
+def cute_fwd_bwd(B, S, causal, scale, deterministic=False, softcap=0.0):
     def f(q, k, v, do):
         _, _, N, H = q.shape
         KH = k.shape[2]
@@ -27,7 +28,7 @@ def cute_fwd_bwd(B, S, causal, scale, deterministic=False):
         used = jnp.full((B,), S, jnp.int32)
         # rows_covered: the dense [B, S] layout, as dot_product_attention's lengths path passes it.
         kw = dict(max_seqlen_q=S, max_seqlen_k=S, scale=scale, causal=causal, bottom_right=False, window_left=-1,
-                  window_right=-1, softcap=0.0, rows_covered=True)
+                  window_right=-1, softcap=softcap, rows_covered=True)
         qp, kp, vp = q.reshape(B * S, N, H), k.reshape(B * S, KH, H), v.reshape(B * S, KH, H)
         o, lse = ops.flash_forward(qp, kp, vp, cu, cu, used, used, **kw)
         dq, dk, dv = bwd_ops.flash_backward(qp, kp, vp, o, lse, do.reshape(B * S, N, H), jnp.zeros_like(lse),
@@ -36,14 +37,15 @@ def cute_fwd_bwd(B, S, causal, scale, deterministic=False):
     return jax.jit(f)
 
 
-def cute_fwd_only(B, S, causal, scale):
+def cute_fwd_only(B, S, causal, scale, softcap=0.0):
     def f(q, k, v, do):
         _, _, N, H = q.shape
         cu = jnp.arange(B + 1, dtype=jnp.int32) * S
         used = jnp.full((B,), S, jnp.int32)
         o, _ = ops.flash_forward(q.reshape(B * S, N, H), k.reshape(B * S, N, H), v.reshape(B * S, N, H), cu, cu,
                                  used, used, max_seqlen_q=S, max_seqlen_k=S, scale=scale, causal=causal,
-                                 bottom_right=False, window_left=-1, window_right=-1, softcap=0.0, rows_covered=True)
+                                 bottom_right=False, window_left=-1, window_right=-1, softcap=softcap,
+                                 rows_covered=True)
         return o
     return jax.jit(f)
 
@@ -66,7 +68,11 @@ def main():
     ap.add_argument("--impls", default="cute,cudnn,xla")
     ap.add_argument("--dims", default="128")
     ap.add_argument("--seqs", default="2048,4096,8192")
+    ap.add_argument("--softcap", type=float, default=0.0,
+                    help="logit softcap of the cute kernels; jax.nn has none, so only cute runs with one")
     a = ap.parse_args()
+    if a.softcap:
+        a.impls = "cute"
     dev = jax.devices()[0].device_kind
     rows = []
     for D in (int(x) for x in a.dims.split(",")):
@@ -78,14 +84,14 @@ def main():
                 q, k, v, do = (jax.random.normal(kk, (B, S, N, D), jnp.bfloat16) for kk in ks)
                 pairs = B * (S * (S + 1) // 2 if causal else S * S)
                 fl = 4 * N * D * pairs
-                row = dict(head_dim=D, heads=N, seqlen=S, batch=B, causal=causal)
+                row = dict(head_dim=D, heads=N, seqlen=S, batch=B, causal=causal, softcap=a.softcap)
                 for impl in a.impls.split(","):
                     if impl == "xla" and S > 8192:
                         continue
                     try:
                         if impl == "cute":
-                            tf = bench(cute_fwd_only(B, S, causal, D ** -0.5), q, k, v, do)
-                            tb = bench(cute_fwd_bwd(B, S, causal, D ** -0.5), q, k, v, do)
+                            tf = bench(cute_fwd_only(B, S, causal, D ** -0.5, a.softcap), q, k, v, do)
+                            tb = bench(cute_fwd_bwd(B, S, causal, D ** -0.5, softcap=a.softcap), q, k, v, do)
                         else:
                             tf = bench(jnn_fwd_only(impl, causal), q, k, v, do)
                             tb = bench(jnn_fwd_bwd(impl, causal), q, k, v, do)
@@ -96,7 +102,8 @@ def main():
                         row[impl + "_error"] = repr(e)[:300]
                 rows.append(row)
                 print(row, flush=True)
-    print(f"\nforward / forward+backward TFLOP/s on {dev} (bf16; fwd+bwd counted as 3.5x forward FLOPs)")
+    cap = f", softcap {a.softcap:g}" if a.softcap else ""
+    print(f"\nforward / forward+backward TFLOP/s on {dev} (bf16{cap}; fwd+bwd counted as 3.5x forward FLOPs)")
     print(f"{'hd':>4} {'S':>6} {'causal':>6} | {'cute':>13} {'cudnn':>13} {'xla':>13} | fwd+bwd cute/cudnn")
     for r in rows:
         f = lambda i: (f"{r[i + '_fwd']:5.0f}/{r[i + '_fwdbwd']:5.0f}  " if r.get(i + "_fwdbwd") else "          n/a")

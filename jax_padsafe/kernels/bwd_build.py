@@ -63,9 +63,9 @@ BWD_STAGES = {}
 # 2 consumer warpgroups x 64 rows of the resident tile (dK/dV: keys, dQ: queries).  A dK/dV block_n of 64
 # (hd192/256) selects the head-dim split (BwdDKDVSm90.split_head_dim): dK and dV of 64 keys x HD per
 # warpgroup would need HD fp32 registers per thread, so each warpgroup keeps half of the head dim; warpgroup 0
-# computes S^T / P^T and warpgroup 1 dP^T / dS^T, swapped through shared memory (both compute both with softcap).  hd256's dQ kernel streams 32-key K/V tiles (Q + dO resident: 128 KB).
-# Shared memory per block: hd256 dK/dV 216 KB (192 KB with softcap), hd256 dQ and hd192 dQ 192 KB, hd192 dK/dV
-# 168 KB (144 KB with softcap; 3 stages measured equal).
+# computes S^T / P^T and warpgroup 1 dP^T / dS^T, swapped through shared memory.  hd256's dQ kernel streams
+# 32-key K/V tiles (Q + dO resident: 128 KB).  Shared memory per block: hd256 dK/dV 216 KB, hd256 dQ and
+# hd192 dQ 192 KB, hd192 dK/dV 168 KB (3 stages measured equal).
 # H100, 2026-11-23 (check_backward hd64 30/30, hd96 26/26, hd192 + hd256 64/64): fwd+bwd 1.4-2.3x the SM80-class
 # backward; hd64 64x128x3 / 128x128x2 measured equal within 2% (benchmarks/NOTES_sm90_bwd.md, session 7).
 SM90_BWD_TILES = {

@@ -50,7 +50,7 @@ _BAR_WG_BASE = 2  # + consumer warpgroup index: one consumer warpgroup (128 thre
 _BAR_DQ_FULL = 4
 _BAR_DQ_EMPTY = 5
 _DQ_SYNC_THREADS = 256 + 32
-# Head-dim split with exchange (BwdDKDVSm90.exchange): P^T is in shared memory (warpgroup 0 arrives, warpgroup 1
+# Head-dim split (BwdDKDVSm90.exchange_step): P^T is in shared memory (warpgroup 0 arrives, warpgroup 1
 # waits) / dS^T is in shared memory (warpgroup 1 arrives, warpgroup 0 waits); both consumer warpgroups.
 _BAR_P_READY = 6
 _BAR_DS_READY = 7
@@ -95,11 +95,8 @@ class BwdDKDVSm90(_Sm90BwdBase):
       the dK / dV rows of those keys (2 x 64 x head_dim fp32 accumulators per warpgroup).
     * block_n = 64 (`split_head_dim`, head dims 192 / 256): each warpgroup accumulates dK / dV of the 64 keys
       for its half of the head dim.  At head dim 256 the key split would need 256 accumulator registers per
-      thread; this split keeps 128 (96 at head dim 192).  Without softcap (`exchange`) warpgroup 0 computes
-      S^T and P^T, warpgroup 1 dP^T and dS^T, and they swap P^T (fp32) and dS^T through shared memory; with
-      softcap both compute the same S^T / dP^T (6 GEMM units per step for 4 useful ones), since dS^T also
-      needs the softcap derivative.  Both give bitwise the same dK / dV: the same wgmma shapes, the same
-      element-wise math.
+      thread; this split keeps 128 (96 at head dim 192).  Warpgroup 0 computes S^T and P^T, warpgroup 1
+      dP^T and dS^T, and they swap them through shared memory (`exchange_step`), so each GEMM is computed once.
     """
 
     ordered = True  # the fused-dQ subclass's reduction order (BwdDKDVQSm90)
@@ -111,16 +108,16 @@ class BwdDKDVSm90(_Sm90BwdBase):
         self.split_head_dim = block_n == 64
         # Each warpgroup's half of the head dim is whole swizzle atoms (hd192: 32-column atoms, 3 per half).
         assert not self.split_head_dim or (head_dim // 2) % 32 == 0
-        self.exchange = self.split_head_dim and not has_softcap
 
     def _exchange_layouts(self):
-        """`exchange`: shared tiles of P^T (fp32) and dS^T (input dtype), (keys, queries), swizzled."""
+        """`split_head_dim`: the shared tiles of `exchange_step`, (keys, queries), swizzled: fp32 P^T (with softcap
+        P^T (1 - tanh^2)), and one in the input dtype for dS^T (with softcap first P^T, then dS^T)."""
         return (sc.smem_layout(cutlass.Float32, self.block_n, self.block_m),
                 sc.smem_layout(self.dtype, self.block_n, self.block_m))
 
     def _mma_s(self):
         """S^T / dP^T (keys, queries), A = K / V (K-major), B = Q / dO (K-major): one warpgroup per 64 keys,
-        or (split_head_dim) one warpgroup tile of the 64 keys that both warpgroups compute."""
+        or (split_head_dim) one warpgroup tile of all 64 keys (warpgroup 0 computes S^T, warpgroup 1 dP^T)."""
         if cutlass.const_expr(self.split_head_dim):
             return sc.make_mma(self.dtype, 1, self.block_n, self.block_m, b_major_mn=False, a_from_regs=False)
         return sc.make_mma(self.dtype, 2, self.block_n // 2, self.block_m, b_major_mn=False, a_from_regs=False)
@@ -188,8 +185,9 @@ class BwdDKDVSm90(_Sm90BwdBase):
         sdQ_layout = sc.smem_layout(cutlass.Float32, BM, HD)
         ds_elems = cute.cosize(sdS_layout) if fused else 8
         dq_elems = cute.cosize(sdQ_layout) if fused else 4
-        if cutlass.const_expr(self.exchange):
-            # sdQ holds P^T (fp32), sdS holds dS^T; hd256: 192 KB + 16 KB + 8 KB.
+        if cutlass.const_expr(self.split_head_dim):
+            # sdQ holds the fp32 tile, sdS the other; hd256: 192 KB + 16 KB + 8 KB (+ 2 KB of row statistics and
+            # 1 KB of barriers and padding: 227 KB is the limit).
             sPx_layout, sdSx_layout = self._exchange_layouts()
             ds_elems = cute.cosize(sdSx_layout)
             dq_elems = cute.cosize(sPx_layout)
@@ -341,7 +339,7 @@ class BwdDKDVSm90(_Sm90BwdBase):
         if cutlass.const_expr(fused):
             sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
-        if cutlass.const_expr(self.exchange):
+        if cutlass.const_expr(self.split_head_dim):
             sPx_layout, sdSx_layout = self._exchange_layouts()
             sdS = storage.sdS.get_tensor(sdSx_layout.outer, swizzle=sdSx_layout.inner)
             sdQ = storage.sdQ.get_tensor(sPx_layout.outer, swizzle=sPx_layout.inner)
@@ -494,7 +492,7 @@ class BwdDKDVSm90(_Sm90BwdBase):
         mma_s.set(warpgroup.Field.ACCUMULATE, True)
         mma_kv.set(warpgroup.Field.ACCUMULATE, True)
         if cutlass.const_expr(self.split_head_dim):
-            # mma_s is one warpgroup's tile, which both warpgroups compute.
+            # mma_s is one warpgroup's tile: S^T in warpgroup 0, dP^T in warpgroup 1.
             wg_s = mma_s.get_slice(0)
             thr_s = mma_s.get_slice(tidx % 128)
         else:
@@ -555,11 +553,11 @@ class BwdDKDVSm90(_Sm90BwdBase):
             copy_dq = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32),
                                              mma_dq)
 
-        # Exchange (head-dim split without softcap): per-thread views of P^T (fp32) and dS^T in shared memory,
+        # Head-dim split: per-thread views of P^T (fp32) and dS^T in shared memory,
         # in the S^T fragment's layout (the same thread of the other warpgroup reads what this one wrote).
         copy_px = None
         copy_dsx = None
-        if cutlass.const_expr(self.exchange):
+        if cutlass.const_expr(self.split_head_dim):
             copy_px = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32),
                                              mma_s)
             copy_dsx = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt), mma_s)
@@ -591,7 +589,7 @@ class BwdDKDVSm90(_Sm90BwdBase):
                 # Query rows past q_len: zeros before any GEMM reads the stage (0 * NaN = NaN otherwise).
                 sc.zero_rows_from(dt, BM, HD, sQ[None, None, stage], q_len - m0, tidx % 128, _BAR_WG_BASE + wg)
                 sc.zero_rows_from(dt, BM, HD, sdO[None, None, stage], q_len - m0, tidx % 128, _BAR_WG_BASE + wg)
-            if cutlass.const_expr(self.exchange):
+            if cutlass.const_expr(self.split_head_dim):
                 self.exchange_step(wg, tidx % 128, stage, par, sStat, sdQ, sdS, copy_px, copy_dsx, mma_s0, mma_s,
                                    mma_kv, tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, acc_dK, acc_dV, rP, rdS, tPrP,
                                    tPrdS, cS_mn, lse2, delta, s_shape, n_block, m_block, q_len, k_len, off, left,
@@ -654,13 +652,18 @@ class BwdDKDVSm90(_Sm90BwdBase):
     def exchange_step(self, wg, tidx_wg, stage, par, sStat, sPx, sdSx, copy_px, copy_dsx, mma_s0, mma_s, mma_kv, tSrK,
                       tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, acc_dK, acc_dV, rP, rdS, tPrP, tPrdS, cS_mn, lse2, delta,
                       s_shape, n_block, m_block, q_len, k_len, off, left, right, score_mul, cap_mul):
-        """One step of the head-dim split without softcap.  Warpgroup 0: S^T = K Q^T, P^T (masks by select),
-        P^T -> sPx, dV_0 += P^T dO_0 (its half of the head dim), then dS^T <- sdSx and dK_0 += dS^T Q_0.
-        Warpgroup 1: dP^T = V dO^T, P^T <- sPx, dS^T = P^T (dP^T - Delta) (0 where P^T = 0, by select),
-        dS^T -> sdSx, dV_1 += P^T dO_1, dK_1 += dS^T Q_1.  Each shared tile has one writer and one reader per
-        step; the named barriers order them, and a warpgroup writes the next step's tile only after it has
-        waited for the other's tile of this step, which the other wrote after reading this step's (so one
-        buffer each is enough).  P^T crosses in fp32, so dS^T is computed exactly as without the exchange."""
+        """One step of the head-dim split.  Warpgroup 0: S^T = K Q^T, P^T (masks by select), P^T -> sPx,
+        dV_0 += P^T dO_0 (its half of the head dim), then dS^T <- sdSx and dK_0 += dS^T Q_0.  Warpgroup 1:
+        dP^T = V dO^T, P^T <- sPx, dS^T = P^T (dP^T - Delta) (0 where P^T = 0, by select), dS^T -> sdSx,
+        dV_1 += P^T dO_1, dK_1 += dS^T Q_1.  Each shared tile has one writer and one reader per step; the named
+        barriers order them, and a warpgroup writes the next step's tile only after it has waited for the
+        other's tile of this step, which the other wrote after reading this step's (so one buffer each is
+        enough).  Without softcap P^T crosses in fp32, so dS^T is the same expression on the same values as in
+        a kernel that computes both.  With softcap the fp32 tile carries P^T (1 - tanh^2) instead (0 by select
+        where P^T = 0, so a NaN score of a key past its length cannot reach it), and P^T crosses in the input
+        dtype for warpgroup 1's dV GEMM, through the dS^T tile: each thread of warpgroup 1 reads its elements of
+        P^T there before it writes its elements of dS^T to the same addresses, and warpgroup 0 writes the next
+        P^T there only after reading dS^T."""
         BM, BN = self.block_m, self.block_n
         dt = self.dtype
         n_cols = cute.size(cS_mn, mode=[1])
@@ -674,11 +677,28 @@ class BwdDKDVSm90(_Sm90BwdBase):
             for x in cutlass.range_constexpr(n_cols):
                 lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
             warpgroup.wait_group(0)
-            bc.probs_and_dscale(x_mn, x_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
-                                score_mul, cap_mul, need, 1, False)
-            cute.copy(copy_px, thr_px.retile(acc_X), thr_px.partition_D(sPx))
-            cute.arch.barrier_arrive(barrier_id=_BAR_P_READY, number_of_threads=self.num_consumer_threads)
-            rP.store(acc_X.load().to(dt))
+            if cutlass.const_expr(self.has_softcap):
+                acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                t_mn = masking.acc_mn_view_sm90(acc_T)
+                bc.probs_and_dscale(x_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
+                                    score_mul, cap_mul, need, 1, True)
+                for r in cutlass.range_constexpr(cute.size(x_mn, mode=[0])):
+                    for c in cutlass.range_constexpr(n_cols):
+                        p = x_mn[r, c]
+                        pt = p * t_mn[r, c]
+                        if p == cutlass.Float32(0.0):
+                            pt = cutlass.Float32(0.0)
+                        t_mn[r, c] = pt
+                cute.copy(copy_px, thr_px.retile(acc_T), thr_px.partition_D(sPx))
+                rP.store(acc_X.load().to(dt))
+                cute.copy(copy_dsx, thr_dsx.retile(rP), thr_dsx.partition_D(sdSx))
+                cute.arch.barrier_arrive(barrier_id=_BAR_P_READY, number_of_threads=self.num_consumer_threads)
+            else:
+                bc.probs_and_dscale(x_mn, x_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
+                                    score_mul, cap_mul, need, 1, False)
+                cute.copy(copy_px, thr_px.retile(acc_X), thr_px.partition_D(sPx))
+                cute.arch.barrier_arrive(barrier_id=_BAR_P_READY, number_of_threads=self.num_consumer_threads)
+                rP.store(acc_X.load().to(dt))
             # dV_0 += P^T dO_0 runs while warpgroup 1 forms dS^T.
             sc.gemm(mma_kv, mma_kv, acc_dV, tPrP, tVrdOt[None, None, None, stage], False)
             cute.arch.barrier(barrier_id=_BAR_DS_READY, number_of_threads=self.num_consumer_threads)
@@ -695,12 +715,16 @@ class BwdDKDVSm90(_Sm90BwdBase):
             warpgroup.wait_group(0)
             cute.arch.barrier(barrier_id=_BAR_P_READY, number_of_threads=self.num_consumer_threads)
             cute.copy(copy_px, thr_px.partition_S(sPx), thr_px.retile(acc_P))
+            if cutlass.const_expr(self.has_softcap):
+                cute.copy(copy_dsx, thr_dsx.partition_S(sdSx), thr_dsx.retile(rP))
             p_mn = masking.acc_mn_view_sm90(acc_P)
+            # With softcap p_mn holds P^T (1 - tanh^2): the same select, one multiplication fewer.
             bc.dscores(p_mn, x_mn, p_mn, delta, 1, False)
             rdS.store(acc_X.load().to(dt))
             cute.copy(copy_dsx, thr_dsx.retile(rdS), thr_dsx.partition_D(sdSx))
             cute.arch.barrier_arrive(barrier_id=_BAR_DS_READY, number_of_threads=self.num_consumer_threads)
-            rP.store(acc_P.load().to(dt))
+            if cutlass.const_expr(not self.has_softcap):
+                rP.store(acc_P.load().to(dt))
             sc.gemm(mma_kv, mma_kv, acc_dV, tPrP, tVrdOt[None, None, None, stage], False)
             sc.gemm(mma_kv, mma_kv, acc_dK, tPrdS, tKrQt[None, None, None, stage], False)
             warpgroup.wait_group(0)
