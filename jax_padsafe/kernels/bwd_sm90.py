@@ -13,7 +13,9 @@ each owning 64 rows of the CTA's tile.
   that fixed order.  Per step: S^T = K Q^T and dP^T = V dO^T (wgmma, both operands in shared memory),
   P^T = exp2(S^T * scale_log2 - lse2) by select (0 where masked, where the query is padded or has
   lse = -inf), dS^T = P^T * (dP^T - Delta) by select, dV += P^T dO and dK += dS^T Q (wgmma, A from
-  registers, B = dO^T / Q^T MN-major from shared memory).
+  registers, B = dO^T / Q^T MN-major from shared memory).  Up to head dim 128 each consumer warpgroup owns
+  64 of the tile's 128 keys; at 192 / 256 (block_n 64) each owns half of the head dim, warpgroup 0 computes
+  S^T / P^T and warpgroup 1 dP^T / dS^T, and they swap them through shared memory (`exchange_step`).
 * `BwdDQSm90`: one CTA per (query tile of block_m, head, sequence).  Q and dO resident, K and V streamed;
   S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K.
 
