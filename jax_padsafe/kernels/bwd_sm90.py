@@ -758,6 +758,9 @@ class BwdDKDVQSm90(BwdDKDVSm90):
     def __init__(self, dtype, head_dim: int, block_m: int = 64, block_n: int = 128, num_stages: int = 2,
                  has_softcap: bool = False, ordered: bool = True):
         super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
+        # The fused dQ GEMM splits the head dim between the warpgroups over the 128-key tile's dS^T, and its
+        # shared tiles are the ones the head-dim split's exchange uses: the two do not combine.
+        assert not self.split_head_dim, "the fused-dQ kernel needs block_n = 128"
         # ordered=False (experiments only, JPS_SM90F_UNORDERED=1): no semaphore wait and natural launch order,
         # to measure what the ordering costs.  Not deterministic, so it breaks the contract's bitwise
         # guarantees; never built by default.
