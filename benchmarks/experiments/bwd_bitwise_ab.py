@@ -4,11 +4,12 @@
     JAX_PADSAFE_CUTE_LIB=B.so PYTHONPATH=. python benchmarks/experiments/bwd_bitwise_ab.py compare ref.npz
 
 For a kernel change that must not change any bit (a new work split with the same wgmma shapes and the same
-element-wise math; session 7: the hd192/256 P^T/dS^T exchange against the duplicated S^T/dP^T): dq, dk, dv of a
-packed GQA batch (2 sequences, used lengths below their slots), head dims 192 and 256, causal and not,
-bf16 and fp16.  Prints how many gradients are bitwise identical.
+element-wise math; session 7: the hd192/256 P^T/dS^T exchange against the duplicated S^T/dP^T; session 8: the
+dQ kernel's register operands and step overlap): dq, dk, dv of a packed GQA batch (2 sequences, used lengths
+below their slots), head dims HEAD_DIMS (default 192,256), causal and not, DTYPES (default bf16,fp16).  Prints how many gradients are bitwise identical.
 """
 
+import os
 import sys
 
 import numpy as np
@@ -20,9 +21,10 @@ from jax_padsafe._cute import bwd_ops, ops
 
 def gradients():
     out = {}
-    for H in (192, 256):
+    for H in (int(h) for h in os.environ.get("HEAD_DIMS", "192,256").split(",")):
         for causal in (False, True):
-            for dt in (jnp.bfloat16, jnp.float16):
+            for dt in (getattr(jnp, {"bf16": "bfloat16", "fp16": "float16"}[d])
+                       for d in os.environ.get("DTYPES", "bf16,fp16").split(",")):
                 rng = np.random.default_rng(H + causal)
                 T, N, K = 1500, 8, 2
                 q, do = (jnp.asarray(rng.standard_normal((T, N, H)), dt) for _ in range(2))

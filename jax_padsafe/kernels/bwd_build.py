@@ -10,7 +10,8 @@ bwd_sm80's) for sm_90a and the head dims in `SM90_BWD_TILES` (all of them); the 
 capability 9.0 (JAX_PADSAFE_SM90_BWD=0 at run time opts out).  On by default since it passed
 tests/gpu/check_backward.py on an H100 (every head dim, bf16/fp16; benchmarks/NOTES_sm90_bwd.md); JPS_SM90_BWD=0
 builds without it.  JPS_SM90_BWD_TILES="128=64x128x3,128x64x2" overrides its tiles (dK/dV, dQ:
-block_m x block_n x stages) for experiments.
+block_m x block_n x stages) for experiments, JPS_SM90_BWD_DQ="regs=1,overlap=1" the dQ kernel's options
+(`SM90_BWD_DQ_OPTS`).
 JPS_SM90F_BWD=1 (--sm90f-bwd 1, the default) also builds the fused-dQ family `sm90f` for sm_90a at the head
 dims in `SM90F_BWD_TILES` (5 GEMMs: dQ = dS K accumulated in fp32 by the dK/dV kernel in a fixed order, then
 converted; its `_dkdv` export takes the accumulator and semaphores, its `_dq` export is the conversion); the
@@ -75,6 +76,24 @@ SM90_BWD_TILES = {
     192: ((64, 64, 2), (128, 64, 2)),
     256: ((64, 64, 2), (128, 32, 2)),
 }
+# sm90 dQ kernel options per (head dim, softcap) (bwd_sm90.BwdDQSm90): "regs" = Q and dO in registers
+# (operands_in_regs), "overlap" = S / dP of the next key tile issued before dQ of the current one
+# (overlap_steps, needs >= 3 dQ stages).  Off everywhere: on the H100 (session 8, hd128 bf16, bitwise
+# identical gradients) neither changed forward+backward by more than the run-to-run noise (+-2%); Nsight
+# Compute shows the dQ kernel at ~69% tensor-pipe use already (~620 TFLOP/s executed), the dK/dV kernel is
+# the slower one (benchmarks/NOTES_sm90_bwd.md).  JPS_SM90_BWD_DQ="regs=1,overlap=1" (with 3 dQ stages in
+# JPS_SM90_BWD_TILES) turns them on for experiments.
+SM90_BWD_DQ_OPTS = {}
+
+
+def sm90_dq_opts(head_dim: int, softcap: bool) -> dict:
+    env = os.environ.get("JPS_SM90_BWD_DQ", "")
+    if env:
+        cfg = dict(item.split("=") for item in env.split(",") if item.strip())
+        return dict(operands_in_regs=bool(int(cfg.get("regs", 0))), overlap_steps=bool(int(cfg.get("overlap", 0))))
+    return dict(SM90_BWD_DQ_OPTS.get((head_dim, softcap), {}))
+
+
 # sm90f family (fused dQ, 5 GEMMs): the dK/dV kernel's (block_m, block_n, stages); it also computes dS K per
 # step and adds it into a zero-filled fp32 dQ accumulator in key-tile order (bwd_sm90.BwdDKDVQSm90), and a
 # conversion kernel writes dQ (bwd_sm90.DqConvertSm90).  Needs the caller's fp32 workspace (jps_bwd.cc);
@@ -193,7 +212,7 @@ def _compile_one(args):
         # Same call arguments and exported ABI as the SM80-class kernels; the constructors take
         # (dtype, head_dim, block_m, block_n, stages, softcap): the tile's third entry is a stage count here.
         passes = {"dkdv": BwdDKDVSm90(dt, H, bm, bn, nt, variant.softcap)}
-        dq_kernel = BwdDQSm90(dt, H, bm_q, bn_q, nt_q, variant.softcap)
+        dq_kernel = BwdDQSm90(dt, H, bm_q, bn_q, nt_q, variant.softcap, **sm90_dq_opts(H, variant.softcap))
     else:
         st_kv, st_q = variant.stages
         # One kernel class; the split variants compile it twice with a compile-time output selector.
@@ -307,7 +326,8 @@ def main(argv=None):
     print(f"backward tiles (block_m, block_n, threads) dkdv / dq: {BWD_TILES}; stages where not 2 (dkdv, dq): "
           f"{BWD_STAGES}; dK/dV in two passes above hd{SPLIT_DKDV_ABOVE}", flush=True)
     if a.sm90_bwd:
-        print(f"sm90 backward tiles (block_m, block_n, stages) dkdv / dq: {SM90_BWD_TILES}", flush=True)
+        print(f"sm90 backward tiles (block_m, block_n, stages) dkdv / dq: {SM90_BWD_TILES}; dQ options: "
+              f"{os.environ.get('JPS_SM90_BWD_DQ') or SM90_BWD_DQ_OPTS}", flush=True)
     os.makedirs(a.out, exist_ok=True)
     todo = [BwdVariant(ar, d, h, c) for ar in _csv(a.archs) for d in _csv(a.dtypes)
             for h in _csv(a.head_dims, int) if h in BWD_TILES for c in _csv(a.softcap, lambda x: bool(int(x)))]

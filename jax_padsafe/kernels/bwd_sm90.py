@@ -530,7 +530,7 @@ class BwdDKDVSm90(_Sm90BwdBase):
         t_wg = tidx % 128
         stat_kind = t_wg // BM
         stat_row = t_wg % BM
-        stat = self.stat_value(mLSE, mDelta, head_kv * group, q_start, q_len, m_min * BM + stat_row, stat_kind)
+        stat = self.stat_load(mLSE, mDelta, head_kv * group, q_start, q_len, m_min * BM + stat_row, stat_kind)
 
         # Fused dQ (dQ partial = dS K per step): dS^T goes to shared memory (both warpgroups' 64 keys are the
         # GEMM's k extent), each warpgroup computes half of the head dim, the partial goes to sdQ for the
@@ -573,18 +573,23 @@ class BwdDKDVSm90(_Sm90BwdBase):
                 sc.zero_rows_from(dt, BN, HD, sK, k_len - n0, tidx % 128, _BAR_WG_BASE + wg)
             cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        # (query head, query tile) of the step, advanced by counting (no integer division per step).
+        head = head_kv * group
+        m_block = m_min
         for it in cutlass.range(total, unroll=1):
-            head = head_kv * group + it // n_m
-            m_block = m_min + it % n_m
             m0 = m_block * BM
             par = it % 2
             if t_wg < 2 * BM:
-                sStat[stat_row, stat_kind, par, wg] = stat
+                sStat[stat_row, stat_kind, par, wg] = self.stat_finish(stat, stat_kind)
             cute.arch.barrier(barrier_id=_BAR_WG_BASE + wg, number_of_threads=128)
+            next_head = head
+            next_m = m_block + 1
+            if next_m == m_min + n_m:
+                next_m = m_min
+                next_head = head + 1
             if it + 1 < total:
-                nxt = it + 1
-                stat = self.stat_value(mLSE, mDelta, head_kv * group + nxt // n_m, q_start, q_len,
-                                       (m_min + nxt % n_m) * BM + stat_row, stat_kind)
+                # Issued a step ahead; nothing reads the loaded values before the next step's store.
+                stat = self.stat_load(mLSE, mDelta, next_head, q_start, q_len, next_m * BM + stat_row, stat_kind)
             pipe_q.consumer_wait(state)
             stage = state.index
             if m0 + BM > q_len:
@@ -601,23 +606,36 @@ class BwdDKDVSm90(_Sm90BwdBase):
                 sc.gemm(mma_s0, mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True)
                 acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                 sc.gemm(mma_s0, mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True)
+                # Shared-memory reads of the row statistics before the waits, so their latency hides under the
+                # GEMMs (Nsight Compute, session 8: read after the wait, the exp2's FFMA stalled on them).  With
+                # softcap (32 more live registers for tanh and 1 - tanh^2) they stay after the waits: ptxas
+                # spills 144 B otherwise.
+                early_stats = not self.has_softcap
+                if cutlass.const_expr(early_stats):
+                    for x in cutlass.range_constexpr(n_cols):
+                        lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
+                need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
                 warpgroup.wait_group(1)
+                if cutlass.const_expr(not early_stats):
+                    for x in cutlass.range_constexpr(n_cols):
+                        lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
                 s_mn = masking.acc_mn_view_sm90(acc_S)
                 t_mn = s_mn
                 if cutlass.const_expr(self.has_softcap):
                     acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                     t_mn = masking.acc_mn_view_sm90(acc_T)
-                need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
-                for x in cutlass.range_constexpr(n_cols):
-                    lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
                 bc.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0, k_len, off, left, right, score_mul, cap_mul,
                                     need, 1, self.has_softcap)
                 rP.store(acc_S.load().to(dt))
+                if cutlass.const_expr(early_stats):
+                    for x in cutlass.range_constexpr(n_cols):
+                        delta[x] = sStat[cS_mn[0, x][1], 1, par, wg]
                 warpgroup.wait_group(0)
+                if cutlass.const_expr(not early_stats):
+                    for x in cutlass.range_constexpr(n_cols):
+                        delta[x] = sStat[cS_mn[0, x][1], 1, par, wg]
                 # dV += P^T dO runs while dS^T is formed.
                 sc.gemm(mma_kv, mma_kv, acc_dV, tPrP, tVrdOt[None, None, None, stage], False)
-                for x in cutlass.range_constexpr(n_cols):
-                    delta[x] = sStat[cS_mn[0, x][1], 1, par, wg]
                 bc.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 1, self.has_softcap)
                 rdS.store(acc_dP.load().to(dt))
                 sc.gemm(mma_kv, mma_kv, acc_dK, tPrdS, tKrQt[None, None, None, stage], False)
@@ -638,6 +656,8 @@ class BwdDKDVSm90(_Sm90BwdBase):
             warpgroup.wait_group(0)
             pipe_q.consumer_release(state)
             state.advance()
+            head = next_head
+            m_block = next_m
 
         # Epilogue: dK (times the softmax scale) and dV through sK / sV (every consumer's GEMMs are complete
         # after the barrier): valid key rows, then zeros up to the slot end.
@@ -732,21 +752,33 @@ class BwdDKDVSm90(_Sm90BwdBase):
             warpgroup.wait_group(0)
 
     @cute.jit
-    def stat_value(self, mLSE: cute.Tensor, mDelta: cute.Tensor, head: cutlass.Int32, q_start: cutlass.Int32,
-                   q_len: cutlass.Int32, i: cutlass.Int32, kind: cutlass.Int32):
-        """kind 0: lse2 = lse * log2(e) of query i, kind 1: its Delta.  Padded queries (i >= q_len) and queries
-        with lse = -inf get the sentinel lse2 = +inf, Delta = 0 (P and dS become 0 by select)."""
+    def stat_load(self, mLSE: cute.Tensor, mDelta: cute.Tensor, head: cutlass.Int32, q_start: cutlass.Int32,
+                  q_len: cutlass.Int32, i: cutlass.Int32, kind: cutlass.Int32):
+        """The raw value for `stat_finish`: kind 0 the lse of query i, kind 1 its Delta.  No branch depends on
+        the loaded value, so the load stays in flight until the next step stores it (Nsight Compute, session
+        8: testing lse right after the load exposed the global-memory latency every step).  Padded queries
+        (i >= q_len) load nothing and get lse = -inf, Delta = 0."""
         v = cutlass.Float32(0.0)
         if kind == 0:
-            v = cutlass.Float32.inf
+            v = -cutlass.Float32.inf
         if i < q_len:
-            lv = mLSE[head, q_start + i]
-            if lv != -cutlass.Float32.inf:
-                if kind == 0:
-                    v = lv * bc.LOG2_E
-                else:
-                    v = mDelta[head, q_start + i]
+            if kind == 0:
+                v = mLSE[head, q_start + i]
+            else:
+                v = mDelta[head, q_start + i]
         return v
+
+    @cute.jit
+    def stat_finish(self, v: cutlass.Float32, kind: cutlass.Int32):
+        """kind 0: lse2 = lse * log2(e), with the sentinel +inf for padded queries and queries with lse = -inf
+        (their P and dS become 0 by select); kind 1: Delta as loaded (only reaches dS where P != 0, i.e. rows
+        with a finite lse)."""
+        r = v
+        if kind == 0:
+            r = cutlass.Float32.inf
+            if v != -cutlass.Float32.inf:
+                r = v * bc.LOG2_E
+        return r
 
 
 class BwdDKDVQSm90(BwdDKDVSm90):
@@ -850,9 +882,20 @@ class BwdDQSm90(_Sm90BwdBase):
     """dQ for one query tile of block_m = 2 x 64 queries of one head."""
 
     def __init__(self, dtype, head_dim: int, block_m: int = 128, block_n: int = 64, num_stages: int = 2,
-                 has_softcap: bool = False):
+                 has_softcap: bool = False, operands_in_regs: bool = False, overlap_steps: bool = False):
+        """operands_in_regs: Q and dO (resident for the whole CTA) are copied once into registers and S = Q K^T,
+        dP = dO V^T run with A from registers, so that every step reads only K and V from shared memory (with
+        A from shared memory as well, a step reads 160 KB at hd128 for 3 MFLOP of 64 x 64 wgmma: shared-memory
+        bandwidth, not the tensor cores, bounds it).  Costs HD / 2 registers per thread (hd <= 128).
+        overlap_steps: S and dP of the next key tile are issued before dQ += dS K of the current one, so that
+        P (exp2) of the next tile runs under dP and the dQ GEMM; every wgmma group still retires inside the
+        iteration (a group in flight across the loop's back edge makes ptxas serialise all of them).  The
+        current stage is released one step later, so it needs >= 3 stages to keep the loads ahead."""
         super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
         assert block_m == 128
+        assert not overlap_steps or num_stages >= 3, "overlap_steps holds two K/V stages per step: use >= 3"
+        self.operands_in_regs = operands_in_regs
+        self.overlap_steps = overlap_steps
 
     @cute.jit
     def __call__(
@@ -889,8 +932,8 @@ class BwdDQSm90(_Sm90BwdBase):
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mV), k_box, (BN, HD), 1)
         q_bytes = cute.size_in_bytes(dt, sQ_layout)
         k_bytes = cute.size_in_bytes(dt, k_box)
-        # S / dP: (queries, keys), A = Q / dO, B = K / V (both K-major).
-        mma_s = sc.make_mma(dt, 2, BM // 2, BN, b_major_mn=False, a_from_regs=False)
+        # S / dP: (queries, keys), A = Q / dO (shared memory, or registers), B = K / V (both K-major).
+        mma_s = sc.make_mma(dt, 2, BM // 2, BN, b_major_mn=False, a_from_regs=self.operands_in_regs)
         # dQ: (queries, head_dim), A = dS from registers, B = K^T (MN-major).
         mma_q = sc.make_mma(dt, 2, BM // 2, HD, b_major_mn=True, a_from_regs=True)
         copy_out = tiles.gmem_tiled_copy(dt, HD, self.num_consumer_threads, async_copy=False)
@@ -1038,7 +1081,7 @@ class BwdDQSm90(_Sm90BwdBase):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         m0 = m_block * BM
 
-        mma_s0 = sc.make_mma(dt, 2, BM // 2, BN, b_major_mn=False, a_from_regs=False)
+        mma_s0 = sc.make_mma(dt, 2, BM // 2, BN, b_major_mn=False, a_from_regs=self.operands_in_regs)
         mma_s0.set(warpgroup.Field.ACCUMULATE, False)
         mma_s.set(warpgroup.Field.ACCUMULATE, True)
         mma_q.set(warpgroup.Field.ACCUMULATE, True)
@@ -1046,8 +1089,6 @@ class BwdDQSm90(_Sm90BwdBase):
         wg_q = mma_q.get_slice(wg * 128)
         thr_s = mma_s.get_slice(tidx)
         thr_q = mma_q.get_slice(tidx)
-        tSrQ = wg_s.make_fragment_A(wg_s.partition_A(sQ))
-        tSrdO = wg_s.make_fragment_A(wg_s.partition_A(sdO))
         tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
         tSrV = wg_s.make_fragment_B(wg_s.partition_B(sV))
         tQrKt = wg_q.make_fragment_B(wg_q.partition_B(sc.transposed(sK)))
@@ -1064,35 +1105,72 @@ class BwdDQSm90(_Sm90BwdBase):
 
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(state_q)
+        tSrQ = None
+        tSrdO = None
+        if cutlass.const_expr(self.operands_in_regs):
+            # The (queries, head_dim) tile in the C-fragment layout of mma_q (64 rows per warpgroup, N = HD) is
+            # the register A operand of an M = 64, K = HD GEMM (c_to_a_layout), read once from shared memory.
+            copy_qr = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt), mma_q)
+            thr_qr = copy_qr.get_slice(tidx)
+            rQ = cute.make_rmem_tensor(thr_q.partition_shape_C((BM, HD)), dt)
+            rdO = cute.make_rmem_tensor(thr_q.partition_shape_C((BM, HD)), dt)
+            cute.copy(copy_qr, thr_qr.partition_S(sQ), thr_qr.retile(rQ))
+            cute.copy(copy_qr, thr_qr.partition_S(sdO), thr_qr.retile(rdO))
+            tSrQ = cute.make_tensor(rQ.iterator, sc.c_to_a_layout(rQ.layout))
+            tSrdO = cute.make_tensor(rdO.iterator, sc.c_to_a_layout(rdO.layout))
+        else:
+            tSrQ = wg_s.make_fragment_A(wg_s.partition_A(sQ))
+            tSrdO = wg_s.make_fragment_A(wg_s.partition_A(sdO))
+        acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+        acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+        acc_T = None
+        if cutlass.const_expr(self.has_softcap):
+            acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+        n_steps = n_max - n_min
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        for it in cutlass.range(n_max - n_min, unroll=1):
-            n_block = n_max - 1 - it
-            n0 = n_block * BN
-            pipe_kv.consumer_wait(state)
-            stage = state.index
-            if n0 + BN > k_len:
-                # Key rows past k_len meet dS = 0 in dQ += dS K (0 * NaN = NaN): zeros first.
-                sc.zero_rows_from(dt, BN, HD, sK[None, None, stage], k_len - n0, tidx % 128, _BAR_WG_BASE + wg)
-            acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-            sc.gemm(mma_s0, mma_s, acc_S, tSrQ, tSrK[None, None, None, stage], True)
-            acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-            sc.gemm(mma_s0, mma_s, acc_dP, tSrdO, tSrV[None, None, None, stage], True)
-            warpgroup.wait_group(1)
-            s_mn = masking.acc_mn_view_sm90(acc_S)
-            t_mn = s_mn
-            if cutlass.const_expr(self.has_softcap):
-                acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-                t_mn = masking.acc_mn_view_sm90(acc_T)
-            need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
-            bc.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0, k_len, off, left, right, score_mul, cap_mul, need, 0,
-                                self.has_softcap)
-            warpgroup.wait_group(0)
-            bc.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 0, self.has_softcap)
-            rdS.store(acc_dP.load().to(dt))
-            sc.gemm(mma_q, mma_q, acc_dQ, tQrdS, tQrKt[None, None, None, stage], False)
-            warpgroup.wait_group(0)
-            pipe_kv.consumer_release(state)
+        if cutlass.const_expr(self.overlap_steps):
+            # Key tiles n_max - 1 down to n_min.  Step j: S / dP of tile j + 1 and dQ += dS_j K_j are in flight
+            # together; tile j's stage is released once dQ_j is complete.
+            state_rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            n_block = n_max - 1
+            self.dq_scores_issue(pipe_kv, state, sK, mma_s0, mma_s, acc_S, acc_dP, tSrQ, tSrdO, tSrK, tSrV, n_block,
+                                 k_len, tidx, wg)
             state.advance()
+            warpgroup.wait_group(1)
+            self.dq_probs(acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right, score_mul,
+                          cap_mul)
+            warpgroup.wait_group(0)
+            self.dq_dscores(acc_S, acc_dP, acc_T, delta, rdS)
+            for it in cutlass.range(n_steps - 1, unroll=1):
+                n_block = n_max - 2 - it
+                self.dq_scores_issue(pipe_kv, state, sK, mma_s0, mma_s, acc_S, acc_dP, tSrQ, tSrdO, tSrK, tSrV,
+                                     n_block, k_len, tidx, wg)
+                state.advance()
+                sc.gemm(mma_q, mma_q, acc_dQ, tQrdS, tQrKt[None, None, None, state_rel.index], False)
+                warpgroup.wait_group(2)
+                self.dq_probs(acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right,
+                              score_mul, cap_mul)
+                warpgroup.wait_group(0)
+                pipe_kv.consumer_release(state_rel)
+                state_rel.advance()
+                self.dq_dscores(acc_S, acc_dP, acc_T, delta, rdS)
+            sc.gemm(mma_q, mma_q, acc_dQ, tQrdS, tQrKt[None, None, None, state_rel.index], False)
+            warpgroup.wait_group(0)
+            pipe_kv.consumer_release(state_rel)
+        else:
+            for it in cutlass.range(n_steps, unroll=1):
+                n_block = n_max - 1 - it
+                self.dq_scores_issue(pipe_kv, state, sK, mma_s0, mma_s, acc_S, acc_dP, tSrQ, tSrdO, tSrK, tSrV,
+                                     n_block, k_len, tidx, wg)
+                warpgroup.wait_group(1)
+                self.dq_probs(acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right,
+                              score_mul, cap_mul)
+                warpgroup.wait_group(0)
+                self.dq_dscores(acc_S, acc_dP, acc_T, delta, rdS)
+                sc.gemm(mma_q, mma_q, acc_dQ, tQrdS, tQrKt[None, None, None, state.index], False)
+                warpgroup.wait_group(0)
+                pipe_kv.consumer_release(state)
+                state.advance()
 
         # Epilogue: dQ (times the softmax scale) through sQ (every consumer's GEMMs are complete after the
         # barrier): valid query rows, then zeros up to the slot end.
@@ -1100,3 +1178,41 @@ class BwdDQSm90(_Sm90BwdBase):
         gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
         sc.store_rows_via_smem(acc_dQ, dscale, dt, mma_q, copy_out, sQ, gdQ, BM, HD, m0, q_len, tidx,
                                _BAR_CONSUMERS, self.num_consumer_threads, q_slot)
+
+    @cute.jit
+    def dq_scores_issue(self, pipe_kv, state, sK, mma_s0, mma_s, acc_S, acc_dP, tSrQ, tSrdO, tSrK, tSrV, n_block,
+                        k_len, tidx, wg):
+        """Wait for key tile n_block's stage, zero its key rows past k_len (they meet dS = 0 in dQ += dS K:
+        0 * NaN = NaN otherwise) and issue S = Q K^T and dP = dO V^T (two wgmma groups)."""
+        BN, HD = self.block_n, self.head_dim
+        pipe_kv.consumer_wait(state)
+        stage = state.index
+        n0 = n_block * BN
+        if n0 + BN > k_len:
+            sc.zero_rows_from(self.dtype, BN, HD, sK[None, None, stage], k_len - n0, tidx % 128, _BAR_WG_BASE + wg)
+        sc.gemm(mma_s0, mma_s, acc_S, tSrQ, tSrK[None, None, None, stage], True)
+        sc.gemm(mma_s0, mma_s, acc_dP, tSrdO, tSrV[None, None, None, stage], True)
+
+    @cute.jit
+    def dq_probs(self, acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right, score_mul,
+                 cap_mul):
+        """S -> P in place (select: 0 where masked or the query is padded / empty); with softcap acc_T gets
+        1 - tanh^2 for dS."""
+        BM, BN = self.block_m, self.block_n
+        s_mn = masking.acc_mn_view_sm90(acc_S)
+        t_mn = s_mn
+        if cutlass.const_expr(self.has_softcap):
+            t_mn = masking.acc_mn_view_sm90(acc_T)
+        need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
+        bc.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right, score_mul,
+                            cap_mul, need, 0, self.has_softcap)
+
+    @cute.jit
+    def dq_dscores(self, acc_S, acc_dP, acc_T, delta, rdS):
+        """dS = P (dP - Delta) [(1 - tanh^2)] by select (0 where P = 0), into rdS in the input dtype."""
+        s_mn = masking.acc_mn_view_sm90(acc_S)
+        t_mn = s_mn
+        if cutlass.const_expr(self.has_softcap):
+            t_mn = masking.acc_mn_view_sm90(acc_T)
+        bc.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 0, self.has_softcap)
+        rdS.store(acc_dP.load().to(self.dtype))
