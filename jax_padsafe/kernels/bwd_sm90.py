@@ -608,8 +608,9 @@ class BwdDKDVSm90(_Sm90BwdBase):
                 sc.gemm(mma_s0, mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True)
                 # Shared-memory reads of the row statistics before the waits, so their latency hides under the
                 # GEMMs (Nsight Compute, session 8: read after the wait, the exp2's FFMA stalled on them).  With
-                # softcap (32 more live registers for tanh and 1 - tanh^2) they stay after the waits: ptxas
-                # spills 144 B otherwise.
+                # softcap they stay after the waits, where the GPU-checked softcap kernels have them: that
+                # kernel spills either way (ptxas 152 B of stack, early or late), and early reads were not
+                # timed there.
                 early_stats = not self.has_softcap
                 if cutlass.const_expr(early_stats):
                     for x in cutlass.range_constexpr(n_cols):
@@ -883,14 +884,17 @@ class BwdDQSm90(_Sm90BwdBase):
 
     def __init__(self, dtype, head_dim: int, block_m: int = 128, block_n: int = 64, num_stages: int = 2,
                  has_softcap: bool = False, operands_in_regs: bool = False, overlap_steps: bool = False):
-        """operands_in_regs: Q and dO (resident for the whole CTA) are copied once into registers and S = Q K^T,
-        dP = dO V^T run with A from registers, so that every step reads only K and V from shared memory (with
-        A from shared memory as well, a step reads 160 KB at hd128 for 3 MFLOP of 64 x 64 wgmma: shared-memory
-        bandwidth, not the tensor cores, bounds it).  Costs HD / 2 registers per thread (hd <= 128).
+        """Two options, off in the build (`bwd_build.SM90_BWD_DQ_OPTS`): neither changed forward+backward beyond
+        the +-2% noise on the H100 (session 8), as this kernel already runs at ~620 TFLOP/s of executed GEMM
+        work (benchmarks/NOTES_sm90_bwd.md).
+        operands_in_regs: Q and dO (resident for the whole CTA) are copied once into registers and S = Q K^T,
+        dP = dO V^T run with A from registers, so a step reads only K and V from shared memory (96 instead of
+        160 KB at hd128; the hypothesis was a shared-memory bound, which the measurement did not bear out).
+        Costs HD / 2 registers per thread (hd <= 128).
         overlap_steps: S and dP of the next key tile are issued before dQ += dS K of the current one, so that
-        P (exp2) of the next tile runs under dP and the dQ GEMM; every wgmma group still retires inside the
-        iteration (a group in flight across the loop's back edge makes ptxas serialise all of them).  The
-        current stage is released one step later, so it needs >= 3 stages to keep the loads ahead."""
+        P (exp2) of the next tile runs under dP and the dQ GEMM; every wgmma group retires inside the
+        iteration (ptxas keeps them asynchronous: 5 WARPGROUP.DEPBAR in SASS).  The current stage is released
+        one step later, so it needs >= 3 stages to keep the loads ahead."""
         super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
         assert block_m == 128
         assert not overlap_steps or num_stages >= 3, "overlap_steps holds two K/V stages per step: use >= 3"
