@@ -65,6 +65,7 @@ class FlashFwdSm90:
         pingpong: bool = False,
         max_tiles_per_cta: int | None = None,
         multi_tile_min_tiles: int = 264,
+        prefetch_next_tile: bool | None = None,
     ):
         assert head_dim % 32 == 0 and block_m == 128
         self.dtype = dtype
@@ -97,6 +98,14 @@ class FlashFwdSm90:
         # Tiles per CTA = clamp(total tiles // multi_tile_min_tiles, 1, max_tiles_per_cta): one CTA-wave
         # of 132 SMs x 2 per extra tile (a host-side performance choice; the device code is the same).
         self.multi_tile_min_tiles = multi_tile_min_tiles
+        # With several tiles per CTA, the producer asks L2 for the next tile's Q and first K / V block once
+        # the current tile's first step is issued: the next tile usually belongs to another head, whose
+        # first loads would otherwise come from HBM just when the consumers need them.  Measured on the H100
+        # (benchmarks/NOTES_sm90.md, session 9): hd64 +5-10% at >= 2k tokens, hd128 0 to -5%; hence on
+        # below head dim 128 only.
+        if prefetch_next_tile is None:
+            prefetch_next_tile = head_dim < 128
+        self.prefetch_next = prefetch_next_tile and self.max_tiles_per_cta > 1
         self.producer_regs = 24
         self.consumer_regs = 240
 
@@ -342,7 +351,7 @@ class FlashFwdSm90:
             if present:
                 state_q, state = self.produce_tile(
                     tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                    state_q, state, m_block, head, head_kv, q_start, k_start, n_min, n_max)
+                    state_q, state, m_block, head, head_kv, q_start, k_start, n_min, n_max, j, sched)
 
     @cute.jit
     def produce_tile(
@@ -368,6 +377,8 @@ class FlashFwdSm90:
         k_start: cutlass.Int32,
         n_min: cutlass.Int32,
         n_max: cutlass.Int32,
+        j: cutlass.Int32,
+        sched,
     ):
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD), (m_block, 0))
@@ -403,6 +414,12 @@ class FlashFwdSm90:
                 pipe_v.producer_acquire(state_prev)
                 cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state_prev.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(state_prev))
+                if cutlass.const_expr(self.prefetch_next):
+                    # After the tile's first step is issued, where the producer would otherwise wait for a
+                    # free stage (issued before it, the prefetch delayed the step's loads: slower).
+                    if it == 0:
+                        self.prefetch_tile_l2(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK,
+                                              j + 1, sched)
             if n_tiles > 0:
                 pipe_v.producer_acquire(state)
                 cute.copy(tma_atom_V, tVgV[None, n_min], tVsV[None, state.index],
@@ -420,6 +437,28 @@ class FlashFwdSm90:
                           tma_bar_ptr=pipe_v.producer_get_barrier(state))
                 state.advance()
         return state_q, state
+
+    @cute.jit
+    def prefetch_tile_l2(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, j, sched):
+        """TMA prefetch into L2 (no shared memory, no barrier) of the CTA's tile j's Q and of the K / V block
+        it visits first; nothing if the CTA has no tile j or it has nothing to load."""
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        (present, m_block, head, head_kv, q_start, _, k_start, _, _, _, _, n_min, n_max, _, _) = self.tile_info(j, sched)
+        if j < sched[4]:
+            if present:
+                gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD), (m_block, 0))
+                _, tQgQ = cpasync.tma_partition(
+                    tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                cute.prefetch(tma_atom_Q, tQgQ)
+                if n_max > n_min:
+                    gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_K[None, None, head_kv]), (BN, HD), (None, 0))
+                    gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_V[None, None, head_kv]), (BN, HD), (None, 0))
+                    _, tKgK = cpasync.tma_partition(
+                        tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+                    _, tVgV = cpasync.tma_partition(
+                        tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gV, 0, 2))
+                    cute.prefetch(tma_atom_K, tKgK[None, n_max - 1])
+                    cute.prefetch(tma_atom_V, tVgV[None, n_max - 1])
 
     @cute.jit
     def consume(
