@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# usage: exp/ab_gpu.sh "lib1 lib2 ..." [dims] [seqs]: bench_forward of each library (cute + cudnn, one process each), in turn, twice
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 
+T0=$(date +%s)
+for round in 1 2; do for lib in $1; do
+  JAX_PADSAFE_CUTE_LIB=$PWD/${LIBDIR:-exp}/$lib/lib/libjax_padsafe_kernels.so timeout 120 python3 benchmarks/bench_forward.py \
+    --impls cute,cudnn --dims ${2:-64,128} --seqs ${3:-512,2048,8192,16384} --no-padded --out $OUT/b_${lib}_r$round.json >> $OUT/ab.log 2>&1
+  echo "== $lib round $round done at $(( $(date +%s) - T0 )) s"
+done; done
+python3 - "$1" <<'PY'
+import json, sys, os, glob
+libs = sys.argv[1].split()
+out = os.environ["OUT"]
+rows = {}
+for lib in libs:
+    for r in (1, 2):
+        p = f"{out}/b_{lib}_r{r}.json"
+        if not os.path.exists(p): continue
+        for row in json.load(open(p))["rows"]:
+            key = (row["head_dim"], row["seqlen"], row["causal"])
+            rows.setdefault(key, {}).setdefault(lib, []).append((row["cute"], row["cudnn"]))
+print("hd S causal | " + " | ".join(f"{l} cute (ratio) r1, r2" for l in libs))
+for key in sorted(rows):
+    cells = []
+    for lib in libs:
+        v = rows[key].get(lib, [])
+        cells.append(", ".join(f"{c:.0f} ({c/d:.2f})" for c, d in v if c and d))
+    print(f"{key[0]} {key[1]} {key[2]!s:5} | " + " | ".join(cells))
+json.dump({f"{k[0]}_{k[1]}_{k[2]}": v for k, v in rows.items()}, open(f"{out}/ab_summary.json", "w"), indent=1)
+for p in glob.glob(f"{out}/b_*.json"): os.remove(p)
+PY
