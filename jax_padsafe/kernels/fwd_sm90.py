@@ -8,7 +8,8 @@ linearly, m-block fastest; up to 4 tiles per CTA for head dims <= 128, see max_t
   * warpgroup 0 (producer; one warp issues TMA): Q once, then K and V tiles from the last visited
     K tile down to the first into a `num_stages`-deep shared-memory ring guarded by mbarriers
     (PipelineTmaAsync: "full" barriers with a transaction count, "empty" barriers released by the
-    consumers).  It gives most of its registers away (setmaxnreg).
+    consumers).  It gives most of its registers away (setmaxnreg).  Below head dim 128, once a tile's first
+    step is issued it also prefetches the CTA's next tile's Q and first K / V block into L2.
   * warpgroups 1 and 2 (consumers, block_m / 2 query rows each): S = Q K^T with wgmma (both operands
     in shared memory), masking + online softmax in registers, O += P V with wgmma (P from registers).
     With `intra_wg_overlap` the QK^T of tile n-1 is issued before the P V of tile n, so the softmax
