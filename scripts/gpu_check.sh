@@ -26,7 +26,7 @@ case "$cmd" in
     # halves suite_a, suite_b), bench (benchmarks), sharded (multi-GPU check; needs >= 2 GPUs).  On an
     # H100 suite_a, suite_b and bench should each fit a 10-minute device call (estimated from the
     # 2026-11-23 run, ~5-6 min per half, not yet run split); checks takes longer
-    # (check_forward ~4 min, twice on Hopper, check_backward > 5 min).
+    # (check_forward ~5 min, twice on Hopper, check_backward > 5 min).
     out=${OUT:-gpu_out}; mkdir -p "$out"
     export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
     steps=",${JPS_STEPS:-checks,fused,suite,bench,sharded},"

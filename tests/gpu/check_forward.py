@@ -10,7 +10,8 @@ gaps (seqused < segment), rows past cu_seqlens[-1] and GQA 28 q heads over 4 kv 
   * padded o/lse rows must be exactly 0; no NaN/Inf except lse = -inf for valid rows with no visible key;
   * the same after NaN-filled buffers were allocated and freed (dirty allocator), and on the dense padded
     layout with rows_covered=True, where the handler skips the memset of o and the kernel writes the zeros;
-  * |ours - ref64| <= 2 |naive_lowp - ref64| + 1e-3 (max over valid entries), for o and lse.
+  * |ours - ref64| <= 2 |naive_lowp - ref64| + 1e-3 (max over valid entries), for o and lse;
+  * a batch large enough that the Hopper kernel runs several query tiles per CTA ("multitile_*").
 Exit status 0 iff everything passed.
 """
 
@@ -205,6 +206,19 @@ def main():
                              tail=5, N=7, K=1, H=H)
         for fname in ("plain", "causal_br", "causal_tl"):
             results.append(run_case(f"long_{fname}", dtype, *batch, rng=rng, poisons=("nan",), **FEATURES[fname]))
+    # Enough tiles that the shipped Hopper forward runs several query tiles per CTA (tiles per CTA =
+    # clamp(tiles // 264, 1, 4); here 10 m-blocks x 28 heads x 6 sequences = 1680 -> 4), which the small
+    # cases above never reach with the default build: tiles of different sequences and heads in one CTA,
+    # tiles wholly past a sequence's length between them, and (head dims < 128) the L2 prefetch of each
+    # CTA's next tile.
+    multi_feats = ("causal_br",) if a.quick else ("plain", "causal_br", "window_causal_br", "softcap_causal")
+    for dtype, H in [(d, h) for d in dtypes[:1] for h in dims if h <= 128]:
+        # (short keys where they do not change the tile count, to keep the float64 reference cheap)
+        batch = packed_batch(rng, q_lens=[1200, 0, 513, 129, 1000, 7], k_lens=[390, 300, 500, 700, 0, 9],
+                             q_gaps=[0, 5, 0, 3, 1, 0], k_gaps=[2, 0, 0, 1, 0, 6], tail=9, N=28, K=4, H=H)
+        for fname in multi_feats:
+            results.append(run_case(f"multitile_{fname}", dtype, *batch, rng=rng, poisons=("nan", "huge"),
+                                    **FEATURES[fname]))
     if 128 in dims and "bf16" in dtypes:  # the vmap check runs hd128 bf16
         results.append(check_vmap(rng))
     nfail = 0
