@@ -102,8 +102,9 @@ class FlashFwdSm90:
         # With several tiles per CTA, the producer asks L2 for the next tile's Q and first K / V block once
         # the current tile's first step is issued: the next tile usually belongs to another head, whose
         # first loads would otherwise come from HBM just when the consumers need them.  Measured on the H100
-        # (benchmarks/NOTES_sm90.md, session 9): hd64 +5-10% at >= 2k tokens, hd128 0 to -5%; hence on
-        # below head dim 128 only.
+        # (benchmarks/NOTES_sm90.md, session 9): hd64 +5-10% at >= 2k tokens, hd96 neutral, hd128 neutral at
+        # >= 2k and 5-9% slower at 512; hence on below head dim 128 only.  A prefetch only fills L2: it cannot
+        # change a result (TMA clips the box at the tensor's bounds, and nothing reads it into a GEMM).
         if prefetch_next_tile is None:
             prefetch_next_tile = head_dim < 128
         self.prefetch_next = prefetch_next_tile and self.max_tiles_per_cta > 1
@@ -417,7 +418,8 @@ class FlashFwdSm90:
                           tma_bar_ptr=pipe_v.producer_get_barrier(state_prev))
                 if cutlass.const_expr(self.prefetch_next):
                     # After the tile's first step is issued, where the producer would otherwise wait for a
-                    # free stage (issued before it, the prefetch delayed the step's loads: slower).
+                    # free stage (issued before it, the prefetch delayed the step's loads: slower).  A tile of
+                    # one K block issues none.
                     if it == 0:
                         self.prefetch_tile_l2(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK,
                                               j + 1, sched)
@@ -456,6 +458,7 @@ class FlashFwdSm90:
                     gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_V[None, None, head_kv]), (BN, HD), (None, 0))
                     _, tKgK = cpasync.tma_partition(
                         tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+                    # sK stands in for sV: both have one layout, and only its shape matters here.
                     _, tVgV = cpasync.tma_partition(
                         tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gV, 0, 2))
                     cute.prefetch(tma_atom_K, tKgK[None, n_max - 1])
