@@ -13,7 +13,8 @@ linearly, m-block fastest; up to 4 tiles per CTA for head dims <= 128, see max_t
   * warpgroups 1 and 2 (consumers, block_m / 2 query rows each): S = Q K^T with wgmma (both operands
     in shared memory), masking + online softmax in registers, O += P V with wgmma (P from registers).
     With `intra_wg_overlap` the QK^T of tile n-1 is issued before the P V of tile n, so the softmax
-    of one tile runs while the tensor cores work on the next.
+    of one tile runs while the tensor cores work on the next (at head dim 128 the wait for that P V is
+    pinned after the softmax, `pin_pv_wait`, since ptxas would otherwise issue it first).
 
 Pad-safety under TMA.  TMA zero-fills only outside the whole tensor; rows of a tile past a
 sequence's valid length (gaps, seqused, the next sequence in the packed layout) arrive with whatever
@@ -67,6 +68,8 @@ class FlashFwdSm90:
         max_tiles_per_cta: int | None = None,
         multi_tile_min_tiles: int = 264,
         prefetch_next_tile: bool | None = None,
+        pin_pv_wait: bool | None = None,
+        rescale_o_early: bool | None = None,
     ):
         assert head_dim % 32 == 0 and block_m == 128
         self.dtype = dtype
@@ -79,7 +82,8 @@ class FlashFwdSm90:
         # Ping-pong: the two consumer warpgroups take turns issuing their GEMMs, so the softmax of one
         # runs while the tensor cores work for the other (needs intra_wg_overlap's loop structure).
         # Off by default: measured 1.5-7% slower on top of the intra-warpgroup overlap (H100, hd128,
-        # benchmarks/NOTES_sm90.md).
+        # benchmarks/NOTES_sm90.md), and again in session 10 with the pinned P V wait and the early O rescale
+        # (hd128 -3-5%, hd64 -6-10% against the same without ping-pong).
         self.pingpong = pingpong and intra_wg_overlap
         self.num_consumer_wg = 2
         self.num_threads = 128 * (1 + self.num_consumer_wg)
@@ -108,6 +112,21 @@ class FlashFwdSm90:
         if prefetch_next_tile is None:
             prefetch_next_tile = head_dim < 128
         self.prefetch_next = prefetch_next_tile and self.max_tiles_per_cta > 1
+        # Keep the wait for P V after the softmax that overlaps it (sm90_common.wgmma_wait_after): without
+        # it ptxas issues that wait before the softmax, so a warpgroup's exp2 never ran under its own P V.
+        # And rescale O by the previous step's alpha between issuing S and issuing P V (O is not in flight
+        # there: the previous P V was waited for), as FlashAttention-3 does, instead of after the wait for
+        # P V, where the FMULs delay the next step's GEMM issue.  Neither changes an operation or its order:
+        # O and lse are bitwise the same (checked on the H100).  Measured together on the H100 (session 10,
+        # benchmarks/NOTES_sm90.md): hd128 +3-5% at 2k-16k, causal and not; hd64 -5% to +3%; hd96, 192 and
+        # 256 2-7% slower (each alone: no better).  Hence on at head dim 128 only.
+        if pin_pv_wait is None:
+            pin_pv_wait = head_dim == 128
+        if rescale_o_early is None:
+            rescale_o_early = head_dim == 128
+        self.pin_pv_wait = pin_pv_wait and intra_wg_overlap
+        self.rescale_o_early = rescale_o_early and intra_wg_overlap
+        assert self.max_tiles_per_cta < (1 << 30)  # so tiles_per_cta >> 30 is the run-time 0 the pin needs
         self.producer_regs = 24
         self.consumer_regs = 240
 
@@ -529,6 +548,13 @@ class FlashFwdSm90:
         alpha = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        opaque_zero = sched[4] >> 30  # tiles_per_cta < 2^30: 0, but a kernel argument, so no compiler knows it
+        if cutlass.const_expr(self.pingpong):
+            # The first warpgroup takes the first turn, once per CTA: every tile's turns end with warpgroup 1
+            # arriving on warpgroup 0's barrier, which is the next tile's first turn (an arrive per tile, as
+            # this was until session 10, left one unmatched arrive per tile and hung CTAs of several tiles).
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_BASE, number_of_threads=256)
         for j in cutlass.range(sched[4], unroll=1):
             (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
              n_max, in_grid, q_slot) = self.tile_info(j, sched)
@@ -536,7 +562,7 @@ class FlashFwdSm90:
                 state_q, state = self.consume_tile(
                     sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
                     copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
-                    tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg,
+                    tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg, opaque_zero,
                     m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max)
             elif in_grid:
                 # A tile wholly past the valid length: its rows up to the slot end are zeros.
@@ -547,7 +573,7 @@ class FlashFwdSm90:
     def consume_tile(
         self, sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
         copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
-        tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg,
+        tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg, opaque_zero,
         m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max,
     ):
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
@@ -571,10 +597,6 @@ class FlashFwdSm90:
                                                k_len, off, left, right)
                 softmax.online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul)
                 rP.store(acc_S.load().to(self.dtype))
-                if cutlass.const_expr(self.pingpong):
-                    # The first warpgroup takes the first turn.
-                    if wg == 0:
-                        cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_BASE, number_of_threads=256)
                 for it in cutlass.range(n_tiles - 1, unroll=1):
                     n_cur = n_max - 2 - it
                     state_v = state.clone()
@@ -587,10 +609,14 @@ class FlashFwdSm90:
                         self.zero_partial_v(sV, state_v.index, n_cur + 1, k_len, wg, tidx)
                         cute.arch.barrier(barrier_id=_BAR_SCHED_BASE + wg, number_of_threads=256)
                         self.gemm_qk(tiled_mma_qk0, tiled_mma_qk, acc_S2, tSrQ, tSrK, state.index)
+                        if cutlass.const_expr(self.rescale_o_early):
+                            softmax.rescale_rows(o_mn, alpha)
                         self.gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, state_v.index)
                         cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_BASE + 1 - wg, number_of_threads=256)
                     else:
                         self.gemm_qk(tiled_mma_qk0, tiled_mma_qk, acc_S2, tSrQ, tSrK, state.index)
+                        if cutlass.const_expr(self.rescale_o_early):
+                            softmax.rescale_rows(o_mn, alpha)
                         pipe_v.consumer_wait(state_v)
                         self.zero_partial_v(sV, state_v.index, n_cur + 1, k_len, wg, tidx)
                         self.gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, state_v.index)
@@ -601,10 +627,15 @@ class FlashFwdSm90:
                     s_mn2 = self.transform_and_mask(acc_S2, cS_mn, score_mul, cap_mul, n_cur, m_block, q_len,
                                                     k_len, off, left, right)
                     softmax.online_softmax_step_alpha(s_mn2, row_max, row_sum, alpha, mul)
+                    if cutlass.const_expr(self.pin_pv_wait):
+                        sc.wgmma_wait_after(row_sum, opaque_zero, 0)
                     warpgroup.wait_group(0)
                     pipe_v.consumer_release(state_v)
-                    softmax.rescale_rows(o_mn, alpha)
+                    if cutlass.const_expr(not self.rescale_o_early):
+                        softmax.rescale_rows(o_mn, alpha)
                     rP.store(acc_S2.load().to(self.dtype))
+                if cutlass.const_expr(self.rescale_o_early):
+                    softmax.rescale_rows(o_mn, alpha)
                 pipe_v.consumer_wait(state)
                 self.zero_partial_v(sV, state.index, n_min, k_len, wg, tidx)
                 self.gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, state.index)

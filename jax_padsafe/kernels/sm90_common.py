@@ -13,6 +13,8 @@ view inside `__call__`, `zero_partial_v`); they can be folded onto this module o
 * `zero_rows_from`: pad-safety under TMA (which zero-fills only outside the whole tensor): overwrite the
   rows of a shared tile at or past a valid length with zeros, then make the generic-proxy stores visible
   to the async proxy (wgmma) and barrier the warpgroup.
+* `wgmma_wait_after`: a wgmma wait that ptxas cannot hoist above the instructions computing given values
+  (keeps a GEMM running under the element-wise work that the source places before the wait).
 * `store_rows_via_smem` / `zero_rows_global`: the epilogue; rows past the valid length up to the
   sequence's slot end are written as zeros, so that no output memset is needed where the tiles cover
   every row.
@@ -95,6 +97,29 @@ def gemm(mma_first: cute.TiledMma, mma_acc: cute.TiledMma, acc: cute.Tensor, tA:
         mma = mma_first if (overwrite and k == 0) else mma_acc
         cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k], acc)
     warpgroup.commit_group()
+
+
+@cute.jit
+def wgmma_wait_after(values: cute.Tensor, opaque_zero: cutlass.Int32, pending: cutlass.Constexpr):
+    """`wgmma.wait_group pending`, issued only after the fp32 registers `values` are computed.
+
+    Why: `wgmma.wait_group` has no register operands, so ptxas's list scheduler treats it as ready at the
+    top of its basic block and, since the accumulator reads after it are on the critical path, issues it
+    first.  In the Hopper forward that put the wait for P V *before* the softmax that the source overlaps
+    with it (SASS: `WARPGROUP.DEPBAR.LE gsb0, 0x0` right after the mask branch merges), so the warpgroup's
+    own tensor-core work and its exp2 never ran together.  Here the wait sits in a branch whose condition
+    depends on `values`, which pins it after them.
+
+    The condition is `(bits(values) & opaque_zero) == 0`, where `opaque_zero` is 0 at run time but unknown
+    to both compilers: always true, for every thread alike (the `.aligned` wait requires the whole
+    warpgroup to take the same path).  The caller still issues its unconditional wait afterwards, so the
+    results never depend on the branch; if it were ever not taken only the schedule would change."""
+    bits = cute.recast_tensor(values, cutlass.Int32)
+    acc = bits[0]
+    for i in cutlass.range_constexpr(1, cute.size(bits)):
+        acc = acc | bits[i]
+    if (acc & opaque_zero) == 0:
+        warpgroup.wait_group(pending)
 
 
 @cute.jit
