@@ -94,6 +94,16 @@ def sm90_dq_opts(head_dim: int, softcap: bool) -> dict:
     return dict(SM90_BWD_DQ_OPTS.get((head_dim, softcap), {}))
 
 
+def sm90_pin_waits(head_dim: int) -> bool:
+    """`pin_waits` of the sm90 family's two kernels: the wait for dP (dP^T) issued only after P (P^T in the
+    input dtype) is formed (sm90_common.wgmma_wait_after), which ptxas otherwise hoists.  On the H100 (session
+    10, gradients bitwise identical, benchmarks/NOTES_sm90_bwd.md): forward+backward hd128 +2-3% at 2k and 8k,
+    causal and not; hd64 / hd96 2-3% slower, hd192 / hd256 within +-1.5%.  Hence head dim 128 only.
+    JPS_SM90_BWD_PIN=0/1 overrides it for experiments.  (The opt-in fused-dQ family keeps it off: not timed.)"""
+    env = os.environ.get("JPS_SM90_BWD_PIN", "")
+    return bool(int(env)) if env else head_dim == 128
+
+
 # sm90f family (fused dQ, 5 GEMMs): the dK/dV kernel's (block_m, block_n, stages); it also computes dS K per
 # step and adds it into a zero-filled fp32 dQ accumulator in key-tile order (bwd_sm90.BwdDKDVQSm90), and a
 # conversion kernel writes dQ (bwd_sm90.DqConvertSm90).  Needs the caller's fp32 workspace (jps_bwd.cc);
@@ -211,8 +221,10 @@ def _compile_one(args):
 
         # Same call arguments and exported ABI as the SM80-class kernels; the constructors take
         # (dtype, head_dim, block_m, block_n, stages, softcap): the tile's third entry is a stage count here.
-        passes = {"dkdv": BwdDKDVSm90(dt, H, bm, bn, nt, variant.softcap)}
-        dq_kernel = BwdDQSm90(dt, H, bm_q, bn_q, nt_q, variant.softcap, **sm90_dq_opts(H, variant.softcap))
+        pin = sm90_pin_waits(H)
+        passes = {"dkdv": BwdDKDVSm90(dt, H, bm, bn, nt, variant.softcap, pin_waits=pin)}
+        dq_kernel = BwdDQSm90(dt, H, bm_q, bn_q, nt_q, variant.softcap, pin_waits=pin,
+                              **sm90_dq_opts(H, variant.softcap))
     else:
         st_kv, st_q = variant.stages
         # One kernel class; the split variants compile it twice with a compile-time output selector.

@@ -104,9 +104,12 @@ class BwdDKDVSm90(_Sm90BwdBase):
     ordered = True  # the fused-dQ subclass's reduction order (BwdDKDVQSm90)
 
     def __init__(self, dtype, head_dim: int, block_m: int = 64, block_n: int = 128, num_stages: int = 2,
-                 has_softcap: bool = False):
+                 has_softcap: bool = False, pin_waits: bool = False):
         super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
         assert block_n in (64, 128)
+        # The wait for dP^T pinned after P^T is converted to the input dtype (sm90_common.wgmma_wait_after):
+        # ptxas sinks those conversions below the wait, between the dV wgmmas that read them.
+        self.pin_waits = pin_waits
         self.split_head_dim = block_n == 64
         # Each warpgroup's half of the head dim is whole swizzle atoms (hd192: 32-column atoms, 3 per half).
         assert not self.split_head_dim or (head_dim // 2) % 32 == 0
@@ -631,6 +634,8 @@ class BwdDKDVSm90(_Sm90BwdBase):
                 if cutlass.const_expr(early_stats):
                     for x in cutlass.range_constexpr(n_cols):
                         delta[x] = sStat[cS_mn[0, x][1], 1, par, wg]
+                if cutlass.const_expr(self.pin_waits):
+                    sc.wgmma_wait_after(rP, cute.size(mLSE.shape[1]) >> 30, 0)  # total query rows < 2^30
                 warpgroup.wait_group(0)
                 if cutlass.const_expr(not early_stats):
                     for x in cutlass.range_constexpr(n_cols):
@@ -883,7 +888,8 @@ class BwdDQSm90(_Sm90BwdBase):
     """dQ for one query tile of block_m = 2 x 64 queries of one head."""
 
     def __init__(self, dtype, head_dim: int, block_m: int = 128, block_n: int = 64, num_stages: int = 2,
-                 has_softcap: bool = False, operands_in_regs: bool = False, overlap_steps: bool = False):
+                 has_softcap: bool = False, operands_in_regs: bool = False, overlap_steps: bool = False,
+                 pin_waits: bool = False):
         """Two options, off in the build (`bwd_build.SM90_BWD_DQ_OPTS`): neither changed forward+backward beyond
         the +-2% noise on the H100 (session 8), as this kernel already runs at ~620 TFLOP/s of executed GEMM
         work (benchmarks/NOTES_sm90_bwd.md).
@@ -900,6 +906,9 @@ class BwdDQSm90(_Sm90BwdBase):
         assert not overlap_steps or num_stages >= 3, "overlap_steps holds two K/V stages per step: use >= 3"
         self.operands_in_regs = operands_in_regs
         self.overlap_steps = overlap_steps
+        # The wait for dP pinned after P (sm90_common.wgmma_wait_after): ptxas issues it after ~9 of the 32
+        # exp2 otherwise, so most of P is computed after dP is complete instead of under it.
+        self.pin_waits = pin_waits
 
     @cute.jit
     def __call__(
@@ -1131,6 +1140,7 @@ class BwdDQSm90(_Sm90BwdBase):
         if cutlass.const_expr(self.has_softcap):
             acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
         n_steps = n_max - n_min
+        opaque_zero = cute.size(mLSE.shape[1]) >> 30  # total query rows < 2^30: a run-time 0 (wgmma_wait_after)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         if cutlass.const_expr(self.overlap_steps):
             # Key tiles n_max - 1 down to n_min.  Step j: S / dP of tile j + 1 and dQ += dS_j K_j are in flight
@@ -1169,6 +1179,8 @@ class BwdDQSm90(_Sm90BwdBase):
                 warpgroup.wait_group(1)
                 self.dq_probs(acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right,
                               score_mul, cap_mul)
+                if cutlass.const_expr(self.pin_waits):
+                    sc.wgmma_wait_after(acc_S, opaque_zero, 0)
                 warpgroup.wait_group(0)
                 self.dq_dscores(acc_S, acc_dP, acc_T, delta, rdS)
                 sc.gemm(mma_q, mma_q, acc_dQ, tQrdS, tQrKt[None, None, None, state.index], False)
