@@ -38,10 +38,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
 
 from . import bounds, masking, softmax, tiles
 from . import sm90_common as sc
@@ -153,21 +151,15 @@ class FlashFwdSm90:
     ):
         dt = self.dtype
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, HD), dt
-        )
-        sQ_layout = cute.tile_to_shape(atom, (BM, HD), order=(0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (BN, HD, self.num_stages), order=(0, 1, 2))
+        sQ_layout = sc.smem_layout(dt, BM, HD)
+        sKV_layout = sc.smem_layout(dt, BN, HD, self.num_stages)
 
         # (rows, head_dim, heads) views: one TMA box is (rows, head_dim) of one head.
-        def rows_dim_heads(t):
-            return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
-
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, rows_dim_heads(mQ), sQ_layout, (BM, HD))
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mQ), sQ_layout, (BM, HD))
         kv_box = cute.select(sKV_layout, mode=[0, 1])
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, rows_dim_heads(mK), kv_box, (BN, HD), 1)
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, rows_dim_heads(mV), kv_box, (BN, HD), 1)
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mK), kv_box, (BN, HD), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mV), kv_box, (BN, HD), 1)
         q_bytes = cute.size_in_bytes(dt, sQ_layout)
         kv_bytes = cute.size_in_bytes(dt, kv_box)
 
@@ -215,18 +207,13 @@ class FlashFwdSm90:
 
     def make_mma_qk(self):
         """S = Q K^T: both operands K-major in shared memory; each consumer warpgroup owns block_m / 2 rows."""
-        return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, cutlass.Float32,
-            (self.num_consumer_wg, 1, 1), (self.block_m // self.num_consumer_wg, self.block_n),
-        )
+        return sc.make_mma(self.dtype, self.num_consumer_wg, self.block_m // self.num_consumer_wg, self.block_n,
+                           b_major_mn=False, a_from_regs=False)
 
     def make_mma_pv(self):
         """O += P V: P from registers, V^T MN-major in shared memory."""
-        return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, cutlass.Float32,
-            (self.num_consumer_wg, 1, 1), (self.block_m // self.num_consumer_wg, self.head_dim),
-            warpgroup.OperandSource.RMEM,
-        )
+        return sc.make_mma(self.dtype, self.num_consumer_wg, self.block_m // self.num_consumer_wg, self.head_dim,
+                           b_major_mn=True, a_from_regs=True)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -544,7 +531,7 @@ class FlashFwdSm90:
 
         # P in the input dtype: one register buffer, viewed as the A operand of the P V wgmma.
         rP = cute.make_rmem_tensor(s_shape, self.dtype)
-        tOrP = cute.make_tensor(rP.iterator, self._c_to_a_layout(rP.layout))
+        tOrP = cute.make_tensor(rP.iterator, sc.c_to_a_layout(rP.layout))
         alpha = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -708,7 +695,8 @@ class FlashFwdSm90:
     @cute.jit
     def gemm_qk(self, mma_first: cute.TiledMma, mma_acc: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor,
                 tSrK: cute.Tensor, stage: cutlass.Int32):
-        """Issue S = Q K^T (the first k-block overwrites acc) for one K stage; the caller waits."""
+        """Issue S = Q K^T (the first k-block overwrites acc) for one K stage; the caller waits.  (Not
+        sm90_common.gemm on a stage view of tSrK: that compiles to different SASS, and this is the GPU-checked one.)"""
         warpgroup.fence()
         for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
             mma = mma_first if k == 0 else mma_acc
@@ -731,18 +719,10 @@ class FlashFwdSm90:
 
         Both consumer warpgroups write the same zeros (benign); each makes its own stores visible to
         the async proxy (wgmma) and waits for its own 128 threads before issuing its P V GEMM."""
-        BN, HD = self.block_n, self.head_dim
-        n_valid = k_len - n_block * BN
-        if n_valid < BN:
-            zero_copy = tiles.gmem_tiled_copy(self.dtype, HD, 128, async_copy=False)
-            thr = zero_copy.get_slice(tidx % 128)
-            tZsV = thr.partition_D(sV[None, None, stage])
-            tZcV = thr.partition_D(cute.make_identity_tensor((BN, HD)))
-            for m in cutlass.range_constexpr(cute.size(tZsV.shape[1])):
-                if tZcV[0, m, 0][0] >= n_valid:
-                    tZsV[None, m, None].fill(0)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=_BAR_WG_BASE + wg, number_of_threads=128)
+        n_valid = k_len - n_block * self.block_n
+        if n_valid < self.block_n:
+            sc.zero_rows_from(self.dtype, self.block_n, self.head_dim, sV[None, None, stage], n_valid, tidx % 128,
+                              _BAR_WG_BASE + wg)
 
     @cute.jit
     def transform_and_mask(self, acc_S: cute.Tensor, cS_mn: cute.Tensor, score_mul: cutlass.Float32,
@@ -756,13 +736,3 @@ class FlashFwdSm90:
         if bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right):
             masking.apply_visibility_mask(s_mn, cS_mn, m_block * BM, n_block * BN, k_len, off, left, right)
         return s_mn
-
-    @staticmethod
-    def _c_to_a_layout(lay):
-        """wgmma C fragment ((2, 2, BN/8), M, N) -> register A fragment ((2, 2, 2), M, (N, BN/16)) of the
-        next GEMM: an A k-block of 16 columns is two consecutive 8-column blocks of C."""
-        s0, d0 = lay.shape[0], lay.stride[0]
-        return cute.make_layout(
-            ((s0[0], s0[1], 2), lay.shape[1], (lay.shape[2], s0[2] // 2)),
-            stride=((d0[0], d0[1], d0[2]), lay.stride[1], (lay.stride[2], 2 * d0[2])),
-        )

@@ -1,8 +1,5 @@
 """Hopper (sm_90a) building blocks shared by the TMA + wgmma kernels.
 
-The forward (`fwd_sm90.py`) has private copies of some of these (`_c_to_a_layout`, the rows/head_dim/heads
-view inside `__call__`, `zero_partial_v`); they can be folded onto this module once that file settles.
-
 * `smem_layout`: a wgmma/TMA-compatible swizzled (rows, head_dim[, stages]) shared-memory layout.
 * `rows_dim_heads`: the (rows, head_dim, heads) view of a packed [total, heads, head_dim] tensor, so one
   TMA box is (rows, head_dim) of one head.
@@ -101,7 +98,8 @@ def gemm(mma_first: cute.TiledMma, mma_acc: cute.TiledMma, acc: cute.Tensor, tA:
 
 @cute.jit
 def wgmma_wait_after(values: cute.Tensor, opaque_zero: cutlass.Int32, pending: cutlass.Constexpr):
-    """`wgmma.wait_group pending`, issued only after the fp32 registers `values` are computed.
+    """`wgmma.wait_group pending`, issued only after the registers `values` are computed (any element type
+    whose tensor is a whole number of 32-bit words: fp32 scores, bf16 / fp16 probabilities).
 
     Why: `wgmma.wait_group` has no register operands, so ptxas's list scheduler treats it as ready at the
     top of its basic block and, since the accumulator reads after it are on the critical path, issues it
