@@ -111,7 +111,12 @@ def wgmma_wait_after(values: cute.Tensor, opaque_zero: cutlass.Int32, pending: c
     The condition is `(bits(values) & opaque_zero) == 0`, where `opaque_zero` is 0 at run time but unknown
     to both compilers: always true, for every thread alike (the `.aligned` wait requires the whole
     warpgroup to take the same path).  The caller still issues its unconditional wait afterwards, so the
-    results never depend on the branch; if it were ever not taken only the schedule would change."""
+    results never depend on the branch.
+
+    Precondition (the caller's): `opaque_zero` is 0 in every thread.  A non-zero value could split the
+    warpgroup between the two waits, which `.aligned` forbids.  The callers derive it from a kernel value
+    with a known bound: `tiles_per_cta >> 30` (tiles_per_cta <= max_tiles_per_cta, asserted < 2^30) in the
+    forward, `total query rows >> 30` in the backward (2^30 rows of Q alone would not fit a GPU's memory)."""
     bits = cute.recast_tensor(values, cutlass.Int32)
     acc = bits[0]
     for i in cutlass.range_constexpr(1, cute.size(bits)):
