@@ -24,9 +24,8 @@ case "$cmd" in
   test)
     # JPS_STEPS picks parts (default all): checks (kernel checks), fused (the opt-in fused-dQ backward), suite (pytest cute cases; or its
     # halves suite_a, suite_b), bench (benchmarks), sharded (multi-GPU check; needs >= 2 GPUs).  On an
-    # H100 suite_a took one device call (2026-11-23, session 8); suite_b did not finish within 450 s
-    # (2026-11-24, session 10): give it a whole 10-minute call.  checks takes longer
-    # (check_forward ~5 min, twice on Hopper, check_backward > 5 min).
+    # H100 (2026-11-24, session 11) suite_a took 162 s and suite_b 549 s: give suite_b a whole 10-minute call.
+    # checks takes longer (check_forward 388 s, twice on Hopper; check_backward > 5 min).
     out=${OUT:-gpu_out}; mkdir -p "$out"
     export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
     steps=",${JPS_STEPS:-checks,fused,suite,bench,sharded},"
