@@ -25,6 +25,8 @@ case "$cmd" in
     # JPS_STEPS picks parts (default all): checks (kernel checks), fused (the opt-in fused-dQ backward), suite (pytest cute cases; or its
     # halves suite_a, suite_b), bench (benchmarks), sharded (multi-GPU check; needs >= 2 GPUs).  On an
     # H100 (2026-11-24, session 11) suite_a took 162 s and suite_b 549 s: give suite_b a whole 10-minute call.
+    # Not in the default: large (tensors of more than 2**31 elements, both kernel families; needs ~60 GB of
+    # GPU memory, ~45 s per family on an H100).
     # checks takes longer (check_forward 388 s, twice on Hopper; check_backward > 5 min).
     out=${OUT:-gpu_out}; mkdir -p "$out"
     export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -67,6 +69,16 @@ case "$cmd" in
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
       fi
     done
+    if [[ $steps == *,large,* ]]; then
+      XLA_PYTHON_CLIENT_PREALLOCATE=false python3 tests/gpu/check_large.py --json "$out/check_large.json" 2>&1 \
+        | tee "$out/check_large.log" | tail -3
+      [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+      if [ "$cc" = "9.0" ]; then
+        XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PADSAFE_SM90=0 JAX_PADSAFE_SM90_BWD=0 python3 tests/gpu/check_large.py \
+          --json "$out/check_large_sm80class.json" 2>&1 | tee "$out/check_large_sm80class.log" | tail -3
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+      fi
+    fi
     if [[ $steps == *,sharded,* ]] && [ "$ngpu" -ge 2 ]; then
       python3 tests/gpu/check_sharded.py --json "$out/check_sharded.json" 2>&1 | tee "$out/check_sharded.log" | tail -3 || rc=1
     fi
