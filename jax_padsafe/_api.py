@@ -172,7 +172,9 @@ def varlen_attention(
   past ``cu_seqlens[-1]``, is padding: output 0, lse 0, zero gradients, never read.
 
   ``max_seqlen_q``/``max_seqlen_k`` (static ints) bound the sequence lengths; the GPU kernels need
-  them to size their grid (default: ``total_q``/``total_k``). Positions used by the causal and
+  them to size their grid (default: ``total_q``/``total_k``). A smaller bound raises ``ValueError``
+  when the offsets are concrete; under ``jit`` (traced offsets) the rows of a sequence past the bound
+  are padding, in every implementation. Positions used by the causal and
   window masks are counted from each sequence's start. Returns ``out [total_q, N, H]`` and, with
   ``return_lse=True``, ``lse [N, total_q]`` float32. Other arguments as in
   :func:`dot_product_attention`.
@@ -201,6 +203,11 @@ def varlen_attention(
 
   max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, total_q, cap_q)
   max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, total_k, cap_k)
+  # Traced offsets cannot be checked against the bounds at trace time.  A longer sequence then has its
+  # rows past the bound treated as padding by every implementation alike (the kernels' grid stops at
+  # the bound), rather than computed by one implementation and dropped by another.
+  used_q = jnp.minimum(used_q, max_seqlen_q)
+  used_k = jnp.minimum(used_k, max_seqlen_k)
 
   offset = (used_k - used_q) if causal_alignment == "bottom_right" else jnp.zeros_like(used_q)
   q_seg, q_pos = _packed_rows(cu_q, used_q, total_q, offset)

@@ -158,3 +158,44 @@ def test_packed_equals_padded(impl):
       np.asarray(packed, np.float32),
       packed_from_padded(np.asarray(padded, np.float32), d["cu_q"], d["used_q"], len(d["q"])),
       atol=tol, rtol=tol)
+
+
+def test_traced_offsets_past_max_seqlen_are_padding(impl):
+  """Under jit a max_seqlen smaller than a sequence cannot raise (the offsets are traced): the rows
+  past the bound are padding in every implementation, bitwise the same as declaring them padding with
+  seqused, whatever they hold."""
+  rng = np.random.default_rng(11)
+  caps_q, caps_k, bound_q, bound_k = [9, 14, 5], [12, 5, 10], 8, 6
+  d = build(rng, caps_q, np.minimum(caps_q, bound_q), caps_k, np.minimum(caps_k, bound_k), causal=True)
+  dtype = helpers.dtype_for(impl, jnp.float32)
+  total_q, total_k = len(d["valid_q"]), len(d["valid_k"])
+  n, h = d["q"].shape[1:]
+  d_out = rng.standard_normal((total_q, n, h))
+  d_lse = rng.standard_normal((n, total_q))
+  try:
+    declared = run_packed(d, dtype, impl, "zero", rng, d_out, d_lse)
+  except NotImplementedError as e:
+    if impl == "cute":
+      pytest.skip(str(e))
+    raise
+  q, k, v, do = (jnp.asarray(helpers.poison_rows(x[None], valid[None], "nan", rng)[0], dtype)
+                 for x, valid in ((d["q"], d["valid_q"]), (d["k"], d["valid_k"]), (d["v"], d["valid_k"]),
+                                  (d_out, d["valid_q"])))
+  dl = jnp.asarray(np.where(d["valid_q"][None], d_lse, np.nan), jnp.float32)
+
+  @jax.jit
+  def f(q, k, v, do, dl, cu_q, cu_k):
+    (o, lse), vjp = jax.vjp(lambda q, k, v: jax_padsafe.varlen_attention(
+        q, k, v, cu_q, cu_k, max_seqlen_q=bound_q, max_seqlen_k=bound_k, is_causal=True, return_lse=True,
+        implementation=impl), q, k, v)
+    return (o, lse) + vjp((do, dl))
+
+  traced = dict(zip(("out", "lse", "dq", "dk", "dv"),
+                    f(q, k, v, do, dl, jnp.asarray(d["cu_q"]), jnp.asarray(d["cu_k"]))))
+  assert not np.all(declared["out"] == 0)
+  for name in declared:
+    helpers.assert_bitwise_equal(np.asarray(traced[name]), declared[name], f"traced bound: {name}")
+  # Concrete offsets: the same bound is an error.
+  with pytest.raises(ValueError, match="max_seqlen_q"):
+    jax_padsafe.varlen_attention(q, k, v, jnp.asarray(d["cu_q"]), jnp.asarray(d["cu_k"]),
+                                 max_seqlen_q=bound_q, max_seqlen_k=bound_k, implementation=impl)
