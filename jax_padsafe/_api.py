@@ -354,8 +354,8 @@ def _seqused(name, used, nseq, capacity):
 def _max_seqlen(name, value, total, capacity):
   if value is None:
     return max(int(total), 1)
-  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-    raise ValueError(f"{name} must be a non-negative Python int (static), got {value!r}")
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value < 2 ** 31:
+    raise ValueError(f"{name} must be a Python int in [0, 2**31) (static; offsets are int32), got {value!r}")
   if V.is_concrete(capacity) and np.asarray(capacity).size and int(np.max(np.asarray(capacity))) > value:
     raise ValueError(f"{name}={value} is smaller than the longest sequence "
                      f"({int(np.max(np.asarray(capacity)))})")

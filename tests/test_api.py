@@ -155,6 +155,9 @@ BAD_CALLS = [
     (lambda q, k, v: jax_padsafe.varlen_attention(q[0], k[0], v[0], jnp.array([0, 5, 12]),
                                                   jnp.array([0, 5, 15]), max_seqlen_q=4), ValueError,
      "max_seqlen_q"),
+    (lambda q, k, v: jax_padsafe.varlen_attention(q[0], k[0], v[0], jnp.array([0, 5, 12]),
+                                                  jnp.array([0, 5, 15]), max_seqlen_k=2 ** 31), ValueError,
+     "max_seqlen_k"),
     (lambda q, k, v: jax_padsafe.varlen_attention(q, k, v, jnp.array([0, 5]), jnp.array([0, 5])),
      ValueError, "rank 3"),
 ]
