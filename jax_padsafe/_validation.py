@@ -58,14 +58,20 @@ def normalize_window(local_window_size):
     left, right = local_window_size
     left = None if left is None or left < 0 else int(left)
     right = None if right is None or right < 0 else int(right)
-    return left, right
+    return _unbounded_past_int32(left), _unbounded_past_int32(right)
   else:
     raise ValueError(
         "local_window_size must be None, an int, or a (left, right) pair of ints "
         f"(a negative or None side is unbounded), got {local_window_size!r}")
   if left < 0:
     raise ValueError(f"local_window_size must be non-negative, got {local_window_size}")
-  return left, right
+  return _unbounded_past_int32(left), _unbounded_past_int32(right)
+
+
+def _unbounded_past_int32(side):
+  """A window side of 2**31 - 1 or more reaches past every int32 position: exactly an unbounded side
+  (and the kernels take int32 window sizes)."""
+  return None if side is not None and side >= 2 ** 31 - 1 else side
 
 
 def check_scalar(name, value, *, positive=False):
@@ -86,13 +92,18 @@ def is_concrete(x) -> bool:
 
 def int_vector(name, x, length: int | None, *, what: str):
   """Checks an integer vector argument (lengths, cu_seqlens); returns it as int32."""
-  x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+  if not isinstance(x, jax.Array):
+    x = np.asarray(x)  # checked before jnp: a 64-bit value past int32 would otherwise wrap silently
   if x.ndim != 1 or (length is not None and x.shape[0] != length):
     expected = f"[{length}]" if length is not None else "rank 1"
     raise ValueError(f"{name} must have shape {expected} ({what}), got {x.shape}")
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array, got {x.dtype}")
-  return x.astype(jnp.int32)
+  if jnp.iinfo(x.dtype).bits > 32 and is_concrete(x) and x.size:
+    arr = np.asarray(x)
+    if arr.min() < -2 ** 31 or arr.max() >= 2 ** 31:
+      raise ValueError(f"{name} must fit in int32 ({what}), got values in [{arr.min()}, {arr.max()}]")
+  return jnp.asarray(x).astype(jnp.int32)
 
 
 def check_lengths_in_range(name, lengths, upper: int):

@@ -160,6 +160,12 @@ BAD_CALLS = [
      "max_seqlen_k"),
     (lambda q, k, v: jax_padsafe.varlen_attention(q, k, v, jnp.array([0, 5]), jnp.array([0, 5])),
      ValueError, "rank 3"),
+    # 64-bit values past int32 are an error, not wrapped into range (2**33 would wrap to the valid 0).
+    (lambda q, k, v: jax_padsafe.varlen_attention(q[0], k[0], v[0], np.array([0, 5, 2 ** 33], np.int64),
+                                                  jnp.array([0, 5, 15])), ValueError, "cu_seqlens_q.*int32"),
+    (lambda q, k, v: jax_padsafe.dot_product_attention(
+        q, k, v, key_value_seq_lengths=np.array([2 ** 32 + 3, 2], np.int64)), ValueError,
+     "key_value_seq_lengths.*int32"),
 ]
 
 
@@ -184,3 +190,20 @@ def test_deterministic_gradients_are_bitwise_reproducible(impl):
   for _ in range(3):
     for a, b in zip(first, grads(q, k, v)):
       helpers.assert_bitwise_equal(np.asarray(a), np.asarray(b), "repeated deterministic gradient")
+
+
+def test_window_past_int32_is_unbounded(impl):
+  """A window side of 2**31 - 1 or more reaches every position: the same result as an unbounded side
+  (not an overflow in the int32 kernel arguments)."""
+  q, k, v = _inputs(impl=impl)
+  kw = dict(implementation=impl, query_seq_lengths=jnp.array([12, 7]), key_value_seq_lengths=jnp.array([9, 15]))
+  try:
+    huge = jax_padsafe.dot_product_attention(q, k, v, local_window_size=(2 ** 40, 2), **kw)
+  except NotImplementedError as e:
+    if impl == "cute":
+      pytest.skip(str(e))
+    raise
+  unbounded = jax_padsafe.dot_product_attention(q, k, v, local_window_size=(None, 2), **kw)
+  bounded = jax_padsafe.dot_product_attention(q, k, v, local_window_size=(1, 2), **kw)
+  helpers.assert_bitwise_equal(np.asarray(huge), np.asarray(unbounded), "window 2**40 vs unbounded")
+  assert not np.array_equal(np.asarray(huge), np.asarray(bounded))
