@@ -93,7 +93,10 @@ def is_concrete(x) -> bool:
 def int_vector(name, x, length: int | None, *, what: str):
   """Checks an integer vector argument (lengths, cu_seqlens); returns it as int32."""
   if not isinstance(x, jax.Array):
-    x = np.asarray(x)  # checked before jnp: a 64-bit value past int32 would otherwise wrap silently
+    try:
+      x = np.asarray(x)  # checked before jnp: a 64-bit value past int32 would otherwise wrap silently
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+      x = jnp.asarray(x)  # a sequence holding traced scalars
   if x.ndim != 1 or (length is not None and x.shape[0] != length):
     expected = f"[{length}]" if length is not None else "rank 1"
     raise ValueError(f"{name} must have shape {expected} ({what}), got {x.shape}")

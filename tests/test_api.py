@@ -207,3 +207,14 @@ def test_window_past_int32_is_unbounded(impl):
   bounded = jax_padsafe.dot_product_attention(q, k, v, local_window_size=(1, 2), **kw)
   helpers.assert_bitwise_equal(np.asarray(huge), np.asarray(unbounded), "window 2**40 vs unbounded")
   assert not np.array_equal(np.asarray(huge), np.asarray(bounded))
+
+
+def test_lengths_as_sequences_with_traced_entries():
+  """Lengths and offsets given as Python lists, some entries traced under jit, work as arrays do."""
+  q, k, v = _inputs()
+  want = jax_padsafe.dot_product_attention(q, k, v, query_seq_lengths=jnp.array([5, 3]))
+  got = jax.jit(lambda n: jax_padsafe.dot_product_attention(q, k, v, query_seq_lengths=[n, 3]))(5)
+  helpers.assert_bitwise_equal(np.asarray(got), np.asarray(want), "traced list lengths")
+  want = jax_padsafe.varlen_attention(q[0], k[0], v[0], jnp.array([0, 12]), jnp.array([0, 15]))
+  got = jax.jit(lambda n: jax_padsafe.varlen_attention(q[0], k[0], v[0], [0, n], [0, 15]))(12)
+  helpers.assert_bitwise_equal(np.asarray(got), np.asarray(want), "traced list offsets")
