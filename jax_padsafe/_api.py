@@ -89,6 +89,7 @@ def dot_product_attention(
   """
   V.check_implementation(implementation)
   V.check_alignment(causal_alignment)
+  V.check_flags(return_lse=return_lse, deterministic=deterministic)
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   unbatched = query.ndim == 3
   if unbatched:
@@ -181,6 +182,7 @@ def varlen_attention(
   """
   V.check_implementation(implementation)
   V.check_alignment(causal_alignment)
+  V.check_flags(return_lse=return_lse, deterministic=deterministic)
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   V.check_float_inputs(query, key, value, rank=3, layout="packed [total, N, H]")
   total_q, n, h = query.shape

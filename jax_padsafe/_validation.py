@@ -18,6 +18,13 @@ def check_implementation(implementation):
         f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
 
 
+def check_flags(**flags):
+  """Static switches must be Python bools: a traced or string value would be taken as truthy silently."""
+  for name, value in flags.items():
+    if not isinstance(value, (bool, np.bool_)):
+      raise TypeError(f"{name} must be a Python bool, got {type(value).__name__} {value!r}")
+
+
 def check_alignment(causal_alignment):
   if causal_alignment not in CAUSAL_ALIGNMENTS:
     raise ValueError(
