@@ -58,9 +58,12 @@ def _same(a, b):
     return a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-def _ref64(q, k, v, g, causal):
-    """float64 o, dq of one sequence (q/k/v [L, N, H]), loss sum(o * g) + sum(lse) (jax on the GPU, x64 on)."""
-    qs, ks, vs, gs = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, g))
+def _reference(q, k, v, g, causal, lowp):
+    """o and dq of one sequence (q/k/v [L, N, H]) for the loss sum(o * g) + sum(lse), by jax on the GPU:
+    lowp=False in float64 (x64 on), lowp=True in float32 with P rounded to bf16 before P V (the 'naive low
+    precision' attention whose error sets the tolerance)."""
+    ft = np.float32 if lowp else np.float64
+    qs, ks, vs, gs = (jnp.asarray(np.asarray(x, ft)) for x in (q, k, v, g))
     L = qs.shape[0]
     mask = jnp.asarray(visible_mask(None, None, L, L, causal, False, None, None))
 
@@ -68,35 +71,20 @@ def _ref64(q, k, v, g, causal):
         s = jnp.einsum("qnh,knh->nqk", qs, ks) / np.sqrt(H)
         s = jnp.where(mask[None], s, -jnp.inf)
         lse = jax.nn.logsumexp(s, axis=-1)
-        o = jnp.einsum("nqk,knh->qnh", jnp.exp(s - lse[..., None]), vs)
-        return jnp.sum(o * gs) + jnp.sum(lse), o
-
-    (_, o), dq = jax.value_and_grad(f, has_aux=True)(qs, ks, vs)
-    assert o.dtype == jnp.float64
-    return np.asarray(o), np.asarray(dq)
-
-
-def _ref_lowp(q, k, v, g, causal):
-    """The same in float32 with P rounded to bf16: the 'naive low precision' error scale."""
-    qs, ks, vs, gs = (jnp.asarray(np.asarray(x, np.float32)) for x in (q, k, v, g))
-    L = qs.shape[0]
-    mask = jnp.asarray(visible_mask(None, None, L, L, causal, False, None, None))
-
-    def f(qs, ks, vs):
-        s = jnp.einsum("qnh,knh->nqk", qs, ks) / np.sqrt(H)
-        s = jnp.where(mask[None], s, -jnp.inf)
-        lse = jax.nn.logsumexp(s, axis=-1)
-        p = jnp.exp(s - lse[..., None]).astype(DT).astype(jnp.float32)
+        p = jnp.exp(s - lse[..., None])
+        if lowp:
+            p = p.astype(DT).astype(jnp.float32)
         o = jnp.einsum("nqk,knh->qnh", p, vs)
         return jnp.sum(o * gs) + jnp.sum(lse), o
 
     (_, o), dq = jax.value_and_grad(f, has_aux=True)(qs, ks, vs)
+    assert o.dtype == ft
     return np.asarray(o), np.asarray(dq)
 
 
 def _accuracy(name, ours_o, ours_dq, q, k, v, g, causal, report):
-    o64, dq64 = _ref64(q, k, v, g, causal)
-    olp, dqlp = _ref_lowp(q, k, v, g, causal)
+    o64, dq64 = _reference(q, k, v, g, causal, lowp=False)
+    olp, dqlp = _reference(q, k, v, g, causal, lowp=True)
     ok = True
     for what, ours, r64, rlp in (("o", ours_o, o64, olp), ("dq", ours_dq, dq64, dqlp)):
         err = np.abs(np.asarray(ours, np.float64) - r64).max()
