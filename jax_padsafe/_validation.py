@@ -109,7 +109,7 @@ def int_vector(name, x, length: int | None, *, what: str):
     raise ValueError(f"{name} must have shape {expected} ({what}), got {x.shape}")
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array, got {x.dtype}")
-  if jnp.iinfo(x.dtype).bits > 32 and is_concrete(x) and x.size:
+  if jnp.iinfo(x.dtype).max >= 2 ** 31 and is_concrete(x) and x.size:  # 64-bit, or unsigned 32-bit
     arr = np.asarray(x)
     if arr.min() < -2 ** 31 or arr.max() >= 2 ** 31:
       raise ValueError(f"{name} must fit in int32 ({what}), got values in [{arr.min()}, {arr.max()}]")
