@@ -55,3 +55,16 @@ def test_migrate_from_jax_nn(capsys):
   assert "migration checks passed" in out
   assert re.search(r"jax_padsafe: NaN in valid output rows\s+0, in valid gradient rows\s+0, "
                    r"output bitwise unchanged: True", out), out
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "1e30"])
+def test_padding_nan_demo(capsys, poison):
+  """The README's main example: jax_padsafe's rows and gradients stay free of the poison written into the
+  padding, padded output rows are exactly zero, and the output is bitwise the zero-padding one."""
+  _load("padding_nan_demo").main(["--poison", poison])
+  out = capsys.readouterr().out
+  ours = out.split("== jax_padsafe.dot_product_attention")[1]
+  counts = re.findall(r"NaN in (?:them|valid rows):\s+(\d+)", ours)
+  assert len(counts) == 6 and all(c == "0" for c in counts), out
+  assert "padded output rows are exactly zero: True" in out, out
+  assert re.search(r"in the padding is bitwise identical to zero padding: True", out), out
