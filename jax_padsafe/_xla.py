@@ -183,7 +183,9 @@ def forward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos
   )
   (m, l, acc), _ = lax.scan(step, init, xs)
 
-  has_key = l > 0
+  # A row saw a key iff its running max left -inf.  (Not `l > 0`: NaN in a valid row's data must come
+  # out as NaN, as plain attention gives it, not turn the row into an empty one with output 0.)
+  has_key = m != -jnp.inf
   l_safe = jnp.where(has_key, l, _F32(1))
   o = jnp.where(has_key[..., None], acc / l_safe[..., None], _F32(0))
   q_valid = _masking.row_is_valid(q_seg)[:, None, None, :]
@@ -208,7 +210,7 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
   do = _masking.zero_invalid_rows(do, q_seg).astype(_F32)
   # Delta = rowsum(dO * O) - dlse, explicitly zero in padded rows and in rows that saw no key
   # (they contribute nothing; their lse is -inf and must not be subtracted from anything).
-  has_key = jnp.isfinite(lse) & q_valid[:, None, :]
+  has_key = (lse != -jnp.inf) & q_valid[:, None, :]  # a NaN lse (NaN in valid data) propagates
   delta = jnp.transpose(jnp.sum(do * o.astype(_F32), axis=-1), (0, 2, 1))
   delta = jnp.where(has_key, delta - jnp.where(has_key, dlse.astype(_F32), _F32(0)), _F32(0))
   lse_safe = jnp.where(has_key, lse, _F32(0))

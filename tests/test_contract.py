@@ -192,3 +192,56 @@ def test_no_lengths_matches_jax_nn(impl):
                                           v.astype(jnp.float32), is_causal=causal,
                                           implementation="xla")
     np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("where", ["key", "query", "bias"])
+def test_nan_in_valid_data_propagates(impl, where):
+  """NaN in *valid* data is not padding: the rows that see it come out NaN (output and lse, as plain
+  attention gives them), never a silent "empty row" with output 0 and lse -inf; every other row is
+  bitwise unchanged; and the gradients carry the NaN instead of zeros."""
+  import jax
+  import jax_padsafe
+  rng = np.random.default_rng(21)
+  dtype = helpers.dtype_for(impl, jnp.float32)
+  b, t, s, n, h = 1, 12, 12, 2, 64
+  q = rng.standard_normal((b, t, n, h))
+  k = rng.standard_normal((b, s, n, h))
+  v = rng.standard_normal((b, s, n, h))
+  bias = None
+  if where == "key":      # key 5: seen (causal) by rows 5..9, the valid rows
+    k[0, 5, 0, 3] = np.nan
+    hit = np.arange(t)[(np.arange(t) >= 5) & (np.arange(t) < 10)]
+  elif where == "query":  # query row 3
+    q[0, 3, 0, 7] = np.nan
+    hit = np.array([3])
+  else:                   # one visible entry of row 7's bias
+    if impl == "cute":
+      pytest.skip("the kernels take no bias")
+    bias = np.zeros((b, n, t, s))
+    bias[0, 0, 7, 2] = np.nan
+    hit = np.array([7])
+  kw = dict(is_causal=True, query_seq_lengths=jnp.array([10]), key_value_seq_lengths=jnp.array([10]),
+            implementation=impl, return_lse=True)
+  if bias is not None:
+    kw["bias"] = jnp.asarray(bias, jnp.float32)
+  args = [jnp.asarray(x, dtype) for x in (q, k, v)]
+  clean = [jnp.asarray(np.nan_to_num(x), dtype) for x in (q, k, v)]
+  try:
+    o, lse = jax_padsafe.dot_product_attention(*args, **kw)
+  except NotImplementedError as e:
+    if impl == "cute":
+      pytest.skip(str(e))
+    raise
+  kw_clean = dict(kw, bias=jnp.asarray(np.nan_to_num(bias), jnp.float32)) if bias is not None else kw
+  o0, lse0 = jax_padsafe.dot_product_attention(*clean, **kw_clean)
+  o, lse, o0, lse0 = (np.asarray(x, np.float32) for x in (o, lse, o0, lse0))
+  rows = np.zeros(t, bool)
+  rows[hit] = True
+  assert np.all(np.isnan(o[0, rows, 0])) and np.all(np.isnan(lse[0, 0, rows])), "NaN rows must stay NaN"
+  helpers.assert_bitwise_equal(o[0, ~rows, 0], o0[0, ~rows, 0], "rows that do not see the NaN")
+  helpers.assert_bitwise_equal(o[:, :, 1], o0[:, :, 1], "the other head")
+  assert np.all(o[0, 10:] == 0) and np.all(lse[0, :, 10:] == 0), "padded rows stay exactly 0"
+  grads = jax.grad(lambda q, k, v: jnp.sum(
+      jax_padsafe.dot_product_attention(q, k, v, **dict(kw, return_lse=False)).astype(jnp.float32)),
+      (0, 1, 2))(*args)
+  assert np.isnan(np.asarray(grads[0], np.float32)[0, hit, 0]).all(), "dq of the NaN rows"
