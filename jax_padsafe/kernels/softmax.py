@@ -42,12 +42,17 @@ def online_softmax_step(
 
 @cute.jit
 def finalize(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor, mul: cutlass.Float32):
-    """O /= l and lse = (m*mul + log2 l) * ln 2 per row.  A row that saw no visible key (m = -inf)
-    gets O = 0 exactly and lse = -inf (selects, no 0 * x)."""
+    """O /= l and lse = (m*mul + log2 l) * ln 2 per row.  A row that saw no visible key (l = 0: every
+    probability was selected to 0) gets O = 0 exactly and lse = -inf (selects, no 0 * x).
+
+    Empty is l == 0, not m == -inf: the max (fmax) skips NaN, so a valid row whose every score is NaN
+    (NaN in its query) keeps m = -inf and would pass for empty, output 0, where plain attention gives
+    NaN.  Its l is NaN, so it is not empty and O and lse come out NaN.  For finite scores the two tests
+    agree (the row's maximum contributes exp2(0) = 1 to l), so no finite result changes."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
         l = quad_allreduce(row_sum[r], lambda a, b: a + b)
         m = row_max[r]
-        empty = m == -cutlass.Float32.inf
+        empty = l == cutlass.Float32(0.0)
         inv = cutlass.Float32(0.0)
         lse_r = -cutlass.Float32.inf
         if not empty:
