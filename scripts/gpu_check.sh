@@ -25,8 +25,8 @@ case "$cmd" in
     # JPS_STEPS picks parts (default all): checks (kernel checks), fused (the opt-in fused-dQ backward), suite (pytest cute cases; or its
     # halves suite_a, suite_b), bench (benchmarks), sharded (multi-GPU check; needs >= 2 GPUs).  On an
     # H100 (2026-11-24, session 11) suite_a took 162 s and suite_b 549 s: give suite_b a whole 10-minute call.
-    # Not in the default: large (tensors of more than 2**31 elements, both kernel families; needs ~60 GB of
-    # GPU memory, ~45 s per family on an H100).
+    # Not in the default: large (tensors of more than 2**31 elements and one 128k-token sequence, both kernel
+    # families; needs ~60 GB of GPU memory, ~60 s per family on an H100).
     # checks takes longer (check_forward 388 s, twice on Hopper; check_backward > 5 min).
     out=${OUT:-gpu_out}; mkdir -p "$out"
     export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

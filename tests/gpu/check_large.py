@@ -1,23 +1,31 @@
-"""GPU check: tensors with more than 2**31 elements (run on a CUDA machine with >= 60 GB of memory).
+"""GPU check of big problems: tensors with more than 2**31 elements, and one very long sequence (run on a CUDA
+machine with >= 60 GB of memory).
 
-    PYTHONPATH=. python tests/gpu/check_large.py [--json out.json] [--layouts varlen,dense] [--tokens 2250000]
+    PYTHONPATH=. python tests/gpu/check_large.py [--json out.json] [--layouts varlen,dense,long] [--tokens 2250000]
+        [--long 131072]
 
 Why: the kernels take int32 sizes and int64 row strides.  A row offset computed in 32 bits would wrap once
 q/k/v hold more than 2**31 elements (e.g. 2.1M packed tokens x 8 heads x 128), and the kernels would read
-and write another sequence's rows, silently.  This check runs forward and backward through the public API
-(implementation="cute") on
+and write another sequence's rows, silently; and a 128k-token sequence walks 1000 tiles deep.  This check
+runs forward and backward through the public API (implementation="cute") on
 
   * varlen: ~2.25M packed tokens, 8 heads (q and kv), head dim 128, bf16, causal; irregular lengths and gaps
     (seqused < segment) whose rows hold NaN;
   * dense: [B, 4096, 8, 128] with B chosen so that q holds more than 2**31 elements, random lengths, +Inf
     in the padded rows;
+  * long: one causal sequence of 131072 tokens (GQA 8 / 2) in a slot 1000 rows longer holding NaN or 1e30;
 
-and compares the sequences at the start, the one straddling element 2**31 and the last one, bitwise, with
-the same sequence run alone (O, lse, dq, dk, dv), and the straddling one with a float64 reference
-(tolerance rule of check_forward / check_backward).  Run it with JAX_PADSAFE_SM90=0 JAX_PADSAFE_SM90_BWD=0
-too, for the SM80-class kernels, and with JAX_PADSAFE_FUSED_DQ=1 for the opt-in fused-dQ backward (its fp32
-workspace needs ~9 GB more).  Exit status 0 iff everything passed.  A dry run of the check itself on a CPU:
-`--impl xla --limit 200000 --tokens 2000 --seq 128` (the pure-JAX path; comparisons close, not bitwise).
+For varlen and dense, the sequences at the start, the one straddling element 2**31 and the last one are compared
+bitwise with the same sequence run alone (O, lse, dq, dk, dv), and the straddling one, whole, with float64.  For
+long, the first and last 64 rows (and the last 64 keys' dk, dv, which only those rows see) are compared with
+float64, and the results with NaN and with 1e30 in the padding bitwise.  The tolerance is check_backward's:
+|ours - ref64| <= 2 |naive - ref64| + 1e-3 max|ref64|, the naive attention computing in float32 with P and dS
+rounded to bf16 before their GEMMs, Delta from O in bf16, and O and the gradients returned in bf16.
+
+Run it with JAX_PADSAFE_SM90=0 JAX_PADSAFE_SM90_BWD=0 too, for the SM80-class kernels, and with
+JAX_PADSAFE_FUSED_DQ=1 for the opt-in fused-dQ backward (its fp32 workspace needs ~9 GB more).  Exit status 0
+iff everything passed.  A dry run of the check itself on a CPU: `--impl xla --limit 200000 --tokens 2000 --seq 128
+--long 700` (the pure-JAX path; comparisons with the sequences alone are close, not bitwise).
 """
 
 import argparse
@@ -58,39 +66,22 @@ def _same(a, b):
     return a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-def _reference(q, k, v, g, causal, lowp):
-    """o and dq of one sequence (q/k/v [L, N, H]) for the loss sum(o * g) + sum(lse), by jax on the GPU:
-    lowp=False in float64 (x64 on), lowp=True in float32 with P rounded to bf16 before P V (the 'naive low
-    precision' attention whose error sets the tolerance)."""
-    ft = np.float32 if lowp else np.float64
-    qs, ks, vs, gs = (jnp.asarray(np.asarray(x, ft)) for x in (q, k, v, g))
-    L = qs.shape[0]
-    mask = jnp.asarray(visible_mask(None, None, L, L, causal, False, None, None))
-
-    def f(qs, ks, vs):
-        s = jnp.einsum("qnh,knh->nqk", qs, ks) / np.sqrt(H)
-        s = jnp.where(mask[None], s, -jnp.inf)
-        lse = jax.nn.logsumexp(s, axis=-1)
-        p = jnp.exp(s - lse[..., None])
-        if lowp:
-            p = p.astype(DT).astype(jnp.float32)
-        o = jnp.einsum("nqk,knh->qnh", p, vs)
-        return jnp.sum(o * gs) + jnp.sum(lse), o
-
-    (_, o), dq = jax.value_and_grad(f, has_aux=True)(qs, ks, vs)
-    assert o.dtype == ft
-    return np.asarray(o), np.asarray(dq)
+def _accuracy(name, ours, q, k, v, g, causal, report):
+    """ours = (o, lse, dq, dk, dv) of one whole sequence against float64, by the contract's tolerance rule."""
+    every = np.arange(q.shape[0])
+    ref = _reference(q, k, v, g, every, every, H ** -0.5, causal, lowp=False)
+    lowp = _reference(q, k, v, g, every, every, H ** -0.5, causal, lowp=True)
+    return _judge(name, [np.asarray(x, np.float64) for x in ours], ref, lowp, ("o", "lse", "dq", "dk", "dv"), report)
 
 
-def _accuracy(name, ours_o, ours_dq, q, k, v, g, causal, report):
-    o64, dq64 = _reference(q, k, v, g, causal, lowp=False)
-    olp, dqlp = _reference(q, k, v, g, causal, lowp=True)
+def _judge(name, ours, ref, lowp, names, report):
+    """|ours - ref64| <= 2 |naive_lowp - ref64| + 1e-3 max|ref64| (max over the compared entries)."""
     ok = True
-    for what, ours, r64, rlp in (("o", ours_o, o64, olp), ("dq", ours_dq, dq64, dqlp)):
-        err = np.abs(np.asarray(ours, np.float64) - r64).max()
-        bound = 2 * np.abs(rlp - r64).max() + 1e-3 * np.abs(r64).max()
+    for what, a, r, n in zip(names, ours, ref, lowp):
+        err = np.abs(a - r).max()
+        bound = 2 * np.abs(n - r).max() + 1e-3 * np.abs(r).max()
         good = bool(np.isfinite(err) and err <= bound)
-        report.append(dict(case=f"{name} {what} vs float64", ok=good, err=float(err), bound=float(bound)))
+        report.append(dict(case=f"{name}: {what} vs float64", ok=good, err=float(err), bound=float(bound)))
         ok &= good
     return ok
 
@@ -147,7 +138,7 @@ def check_varlen(total_tokens, max_len, report):
         if label == "straddling 2**31":
             u = int(used[b])
             r = slice(int(cu[b]), int(cu[b]) + u)
-            ok &= _accuracy(f"varlen seq {b}", np.asarray(o[r], np.float32), np.asarray(dq[r], np.float32),
+            ok &= _accuracy(f"varlen seq {b}", (o[r], lse[:, r], dq[r], dk[r], dv[r]),
                             q[r], k[r], v[r], np.asarray(g[r]), True, report)
     del q, k, v, g, o, lse, dq, dk, dv
     return ok
@@ -191,8 +182,102 @@ def check_dense(S, report):
         report.append(dict(case=f"dense {label} padded rows exactly 0", ok=zeros))
         ok &= zeros
         if label == "straddling 2**31":
-            ok &= _accuracy(f"dense batch {b}", np.asarray(o[b, :L], np.float32), np.asarray(dq[b, :L], np.float32),
+            ok &= _accuracy(f"dense batch {b}", (o[b, :L], lse[b, :, :L], dq[b, :L], dk[b, :L], dv[b, :L]),
                             q[b, :L], k[b, :L], v[b, :L], np.asarray(g[b, :L]), False, report)
+    return ok
+
+
+def _reference(q, k, v, g, rows, keys, scale, causal, lowp):
+    """o, lse, dq of the query rows `rows` and dk, dv of the keys `keys` of one sequence (causal: top-left),
+    for the loss sum(o * g) + sum(lse), computed from those rows alone: valid when every row that sees a
+    key of `keys` is in `rows` (all rows; or the last keys of a causal sequence, seen only by its last rows).
+    q [L, N, H], k / v [L, K, H] (GQA: query head h uses kv head h // (N // K)); float64, or float32 with P
+    rounded to bf16 (lowp) for the tolerance rule: check_backward's naive attention (P and dS rounded before
+    their GEMMs, Delta from O in bf16, O and the gradients returned in bf16)."""
+    ft = jnp.float32 if lowp else jnp.float64
+    n, kh = q.shape[1], k.shape[1]
+    rep = lambda x: jnp.repeat(x.astype(ft), n // kh, axis=1)          # noqa: E731  [L, N, H]
+    kf, vf = rep(k), rep(v)
+    qr, gr = q[rows].astype(ft), g[rows].astype(ft)                    # [R, N, H]
+    s = jnp.einsum("rnh,lnh->nrl", qr, kf) * scale                     # [N, R, L]
+    if causal:
+        seen = jnp.arange(k.shape[0])[None, None, :] <= jnp.asarray(rows)[None, :, None]
+        s = jnp.where(seen, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)                                 # [N, R]
+    p = jnp.exp(s - lse[..., None])
+    pv = p.astype(DT).astype(ft) if lowp else p
+    o = jnp.einsum("nrl,lnh->rnh", pv, vf)
+    dp = jnp.einsum("rnh,lnh->nrl", gr, vf)
+    # Delta = rowsum(dO * O) - dlse (dlse = 1).  The low-precision attention takes O as it stores it, in the
+    # input dtype (check_backward's naive attention does the same): at 128k keys O is small and its rounding
+    # is a visible part of dq's error.
+    o_in = o.astype(DT).astype(ft) if lowp else o
+    delta = jnp.einsum("rnh,rnh->nr", gr, o_in) - 1.0
+    ds = p * (dp - delta[..., None])
+    if lowp:  # P and dS rounded to the input dtype before their GEMMs, as check_backward's naive attention
+        ds = ds.astype(DT).astype(ft)
+    dq = jnp.einsum("nrl,lnh->rnh", ds, kf) * scale
+    kk = jnp.asarray(keys)
+    dv = jnp.einsum("nrl,rnh->lnh", pv[:, :, kk], gr)                  # [Kr, N, H], then summed per kv head
+    dk = jnp.einsum("nrl,rnh->lnh", ds[:, :, kk], qr) * scale
+    fold = lambda x: x.reshape(x.shape[0], kh, n // kh, x.shape[2]).sum(2)  # noqa: E731
+    outs = [o, lse, dq, fold(dk), fold(dv)]
+    if lowp:  # it returns O and the gradients in the input dtype, as the kernels do (lse stays float32)
+        outs = [x if i == 1 else x.astype(DT).astype(ft) for i, x in enumerate(outs)]
+    return [np.asarray(x, np.float64) for x in outs]
+
+
+def check_long(L, report):
+    """One causal sequence of L tokens (GQA 8 / 2, hd128), its slot 1000 rows longer and NaN there: the
+    first and last 64 query rows (O, lse, dq) and the last 64 keys (dk, dv) against float64 (the
+    contract's tolerance rule), exact zeros in the slot's padding, and bitwise the same with 1e30 there."""
+    n, kh, slot = 8, 2, L + 1000
+    key = jax.random.PRNGKey(4)
+    kq, kk, kv, kg = jax.random.split(key, 4)
+    pad = (jnp.arange(slot) >= L)[:, None, None]
+    mk = lambda k_, heads, poison: jnp.where(pad, poison, jax.random.normal(k_, (slot, heads, H), DT))  # noqa: E731
+    g = jax.random.normal(kg, (slot, n, H), DT)
+    cu = np.array([0, slot], np.int32)
+    used = np.array([L], np.int32)
+    print(f"long: one causal sequence of {L} tokens (slot {slot}), {n}/{kh} heads", flush=True)
+
+    def fn(q, k, v):
+        return jax_padsafe.varlen_attention(q, k, v, jnp.asarray(cu), jnp.asarray(cu), seqused_q=jnp.asarray(used),
+                                            seqused_k=jnp.asarray(used), is_causal=True, return_lse=True,
+                                            implementation=IMPL, max_seqlen_q=slot, max_seqlen_k=slot)
+
+    outs = {}
+    for poison in (jnp.nan, 1e30):
+        q, k, v = mk(kq, n, poison), mk(kk, kh, poison), mk(kv, kh, poison)
+        t0 = time.time()
+        o, lse, grads = _loss_and_grads(fn, q, k, v, g)
+        jax.block_until_ready(grads)
+        print(f"  fwd+bwd {time.time() - t0:.1f} s (padding {poison})", flush=True)
+        outs[poison] = (o, lse) + tuple(grads)
+    names = ("o", "lse", "dq", "dk", "dv")
+    ok = True
+    for name, a, b in zip(names, outs[jnp.nan], outs[1e30]):
+        same = _same(a, b)
+        report.append(dict(case=f"long {L}: {name} bitwise the same with NaN and 1e30 padding", ok=same))
+        ok &= same
+    o, lse, dq, dk, dv = outs[jnp.nan]
+    zeros = all(bool(jnp.all(x[L:] == 0)) for x in (o, dq, dk, dv)) and bool(jnp.all(lse[:, L:] == 0))
+    report.append(dict(case=f"long {L}: padded rows exactly 0", ok=zeros))
+    ok &= zeros
+    q, k, v = mk(kq, n, 0.0)[:L], mk(kk, kh, 0.0)[:L], mk(kv, kh, 0.0)[:L]
+    gl = g[:L]
+    edge = 64
+    for label, rows, keys in (("first rows", np.arange(edge), None), ("last rows and keys", np.arange(L - edge, L),
+                                                                      np.arange(L - edge, L))):
+        kk_ = keys if keys is not None else np.arange(1)
+        ref = _reference(q, k, v, gl, rows, kk_, H ** -0.5, True, lowp=False)
+        lowp = _reference(q, k, v, gl, rows, kk_, H ** -0.5, True, lowp=True)
+        ours = [o[rows], lse[:, rows], dq[rows], dk[kk_], dv[kk_]]
+        ours = [np.asarray(x, np.float64) for x in ours]
+        take = [i for i, nm in enumerate(names) if keys is not None or nm not in ("dk", "dv")]
+        # (the first keys are seen by every row: not computable from a few rows)
+        ok &= _judge(f"long {L}, {label}", [ours[i] for i in take], [ref[i] for i in take],
+                     [lowp[i] for i in take], [names[i] for i in take], report)
     return ok
 
 
@@ -200,7 +285,8 @@ def main():
     global LIMIT, IMPL
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--layouts", default="varlen,dense")
+    ap.add_argument("--layouts", default="varlen,dense,long")
+    ap.add_argument("--long", type=int, default=131072, help="tokens of the one long sequence")
     ap.add_argument("--tokens", type=int, default=2_250_000, help="packed tokens of the varlen case")
     ap.add_argument("--seq", type=int, default=4096, help="longest sequence (varlen) / padded length (dense)")
     ap.add_argument("--limit", type=int, default=LIMIT, help="element count to exceed (lower: dry run)")
@@ -218,6 +304,8 @@ def main():
         ok &= check_varlen(a.tokens, a.seq, report)
     if "dense" in a.layouts:
         ok &= check_dense(a.seq, report)
+    if "long" in a.layouts:
+        ok &= check_long(a.long, report)
     for r in report:
         print(("PASS " if r["ok"] else "FAIL ") + r["case"] + (f"  err {r['err']:.3g} <= {r['bound']:.3g}"
                                                               if "err" in r else ""))
