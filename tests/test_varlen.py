@@ -168,7 +168,7 @@ def test_traced_offsets_past_max_seqlen_are_padding(impl):
   caps_q, caps_k, bound_q, bound_k = [9, 14, 5], [12, 5, 10], 8, 6
   d = build(rng, caps_q, np.minimum(caps_q, bound_q), caps_k, np.minimum(caps_k, bound_k), causal=True)
   dtype = helpers.dtype_for(impl, jnp.float32)
-  total_q, total_k = len(d["valid_q"]), len(d["valid_k"])
+  total_q = len(d["valid_q"])
   n, h = d["q"].shape[1:]
   d_out = rng.standard_normal((total_q, n, h))
   d_lse = rng.standard_normal((n, total_q))

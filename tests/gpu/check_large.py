@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 
 import jax_padsafe
-from tests.gpu.reference import visible_mask
 
 N, H = 8, 128
 DT = jnp.bfloat16
