@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -135,7 +134,7 @@ def packed_backward_to_runs(packed_bwd):
   @functools.wraps(packed_bwd)
   def padded(q, k, v, o, lse, do, dlse, q_start, q_used, k_start, k_used, **static):
     b, t, n, h = q.shape
-    s, nk = k.shape[1], k.shape[2]
+    s = k.shape[1]
     view = _packing.packed_view(_packing.Runs(q_start, q_used, k_start, k_used), t, s)
     flat = lambda x, rows: x.reshape((b * rows,) + x.shape[2:])
     dq, dk, dv = packed_bwd(

@@ -156,7 +156,6 @@ def forward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos
   """Returns ``(o [B, T, N, Hv] q.dtype, lse [B, N, T] float32)``. Inputs must be sanitised."""
   b, t, n, _ = q.shape
   num_kv_heads, hv = k.shape[2], v.shape[-1]
-  g = n // num_kv_heads
   qg = _group_queries(q.astype(_F32), num_kv_heads)
   xs, whole, _, _ = _key_blocks(spec, k, v, bias, mask, k_seg, k_pos)
 
@@ -203,7 +202,6 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
   """Gradients ``(dq, dk, dv, dbias)`` by blockwise recomputation from the saved ``o`` and ``lse``."""
   b, t, n, _ = q.shape
   s_len, num_kv_heads = k.shape[1], k.shape[2]
-  hv = v.shape[-1]
   g = n // num_kv_heads
 
   q_valid = _masking.row_is_valid(q_seg)

@@ -26,7 +26,9 @@ case "$cmd" in
     # halves suite_a, suite_b), bench (benchmarks), sharded (multi-GPU check; needs >= 2 GPUs).  On an
     # H100 (2026-11-24, session 11) suite_a took 162 s and suite_b 549 s: give suite_b a whole 10-minute call.
     # Not in the default: large (tensors of more than 2**31 elements and one 128k-token sequence, both kernel
-    # families; needs ~60 GB of GPU memory, ~60 s per family on an H100).
+    # families; needs ~60 GB of GPU memory, ~60 s per family on an H100) and fuzz (check_fuzz.py: random contract
+    # cases with sequences up to 1100 rows, fresh seeds from JPS_FUZZ_SEED (default 3000), on the three kernel
+    # families in parallel; ~10-30 s per case, JPS_FUZZ_SECONDS per family, default 280).
     # checks takes longer (check_forward 388 s, twice on Hopper; check_backward > 5 min).
     out=${OUT:-gpu_out}; mkdir -p "$out"
     export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -79,6 +81,27 @@ case "$cmd" in
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
       fi
     fi
+    if [[ $steps == *,fuzz,* ]]; then
+      # One process per kernel family, in parallel: the float64 oracle on the host is most of a case's time.
+      seed=${JPS_FUZZ_SEED:-3000}
+      pids=()
+      for fam in sm90 sm80class fused; do
+        case $fam in sm90) env=();; sm80class) env=(JAX_PADSAFE_SM90=0 JAX_PADSAFE_SM90_BWD=0);;
+                     fused) env=(JAX_PADSAFE_FUSED_DQ=1);; esac
+        [ "$cc" = "9.0" ] || [ "$fam" = sm90 ] || continue  # elsewhere the default family is the SM80 one
+        env "${env[@]}" XLA_PYTHON_CLIENT_PREALLOCATE=false OMP_NUM_THREADS=4 OPENBLAS_NUM_THREADS=4 \
+          timeout "${JPS_FUZZ_SECONDS:-280}" python3 tests/gpu/check_fuzz.py --dense $seed:$((seed + 40)) \
+          --packed $((seed + 40)):$((seed + 60)) --json "$out/check_fuzz_$fam.json" > "$out/check_fuzz_$fam.log" 2>&1 &
+        pids+=($!)
+        seed=$((seed + 60))
+      done
+      for pid in "${pids[@]}"; do wait "$pid"; done
+      for f in "$out"/check_fuzz_*.log; do
+        echo "$(basename "$f" .log): $(grep -c '^ok' "$f") passed, $(grep -c '^FAIL' "$f") failed (a time limit may end a run early)"
+        grep -A3 '^FAIL' "$f" | head -20
+        grep -q '^FAIL' "$f" && rc=1
+      done
+    fi
     if [[ $steps == *,sharded,* ]] && [ "$ngpu" -ge 2 ]; then
       python3 tests/gpu/check_sharded.py --json "$out/check_sharded.json" 2>&1 | tee "$out/check_sharded.log" | tail -3 || rc=1
     fi
@@ -87,6 +110,9 @@ case "$cmd" in
         | tee "$out/bench_forward.log" | tail -40
       python3 benchmarks/bench_backward.py --out "$out/bench_backward.json" 2>&1 \
         | tee "$out/bench_backward.log" | tail -20
+      # cuDNN's default backward is not deterministic; ours is.  The like-for-like comparison, in its own process:
+      python3 benchmarks/bench_backward.py --impls cute,cudnn --xla-deterministic \
+        --out "$out/bench_backward_xla_deterministic.json" 2>&1 | tee "$out/bench_backward_xla_deterministic.log" | tail -9
     fi
     exit $rc
     ;;

@@ -3,7 +3,6 @@ operands, results and attributes (no GPU and no built library needed)."""
 
 import re
 
-import numpy as np
 import pytest
 
 import jax

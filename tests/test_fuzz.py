@@ -44,12 +44,15 @@ def _contiguous_ids(rng, b, length, n_docs):
   return ids
 
 
-def draw_problem(seed, impl):
+def draw_problem(seed, impl, max_len=None):
+  """A random dense problem; sequence lengths below ``max_len`` (default 200 on the kernels, 70 in pure JAX;
+  ``tests/gpu/check_fuzz.py`` draws longer ones, spanning several tiles and CTAs)."""
   rng = np.random.default_rng(seed)
   gpu = impl == "cute"
+  top = max_len or (200 if gpu else 70)
   b = int(rng.integers(1, 4))
-  t = int(rng.integers(1, 200 if gpu else 70))
-  s = t if rng.random() < 0.4 else int(rng.integers(1, 200 if gpu else 70))
+  t = int(rng.integers(1, top))
+  s = t if rng.random() < 0.4 else int(rng.integers(1, top))
   kh = int(rng.choice([1, 2, 4]))
   n = kh * int(rng.choice([1, 2, 3]))
   h = int(rng.choice([64, 96, 128, 192, 256] if gpu else [16, 32, 64, 80]))
@@ -85,20 +88,22 @@ def draw_problem(seed, impl):
   return p, dtype
 
 
-def draw_packed(seed, impl):
+def draw_packed(seed, impl, max_len=None):
   """A random packed (varlen) problem: per-sequence capacities and used lengths (gaps between the
-  used rows and the next sequence), empty sequences, tails past cu_seqlens[-1]."""
+  used rows and the next sequence), empty sequences, tails past cu_seqlens[-1].  Capacities below
+  ``max_len`` (default 160 on the kernels, 40 in pure JAX)."""
   rng = np.random.default_rng(seed)
   gpu = impl == "cute"
   nseq = int(rng.integers(1, 5))
-  top = 160 if gpu else 40
+  top = max_len or (160 if gpu else 40)
   caps_q, caps_k = rng.integers(0, top, size=nseq), rng.integers(0, top, size=nseq)
   used_q = np.minimum(caps_q, np.where(rng.random(nseq) < 0.5, caps_q, rng.integers(0, top, size=nseq)))
   used_k = np.minimum(caps_k, np.where(rng.random(nseq) < 0.5, caps_k, rng.integers(0, top, size=nseq)))
   kh = int(rng.choice([1, 2, 4]))
   kw = dict(causal=bool(rng.random() < 0.5), bottom_right=bool(rng.random() < 0.5))
   if rng.random() < 0.3:
-    kw["window"] = (int(rng.integers(0, 40)), None if rng.random() < 0.5 else int(rng.integers(0, 40)))
+    w = max(40, top // 4)
+    kw["window"] = (int(rng.integers(0, w)), None if rng.random() < 0.5 else int(rng.integers(0, w)))
   if rng.random() < 0.3:
     kw["softcap"] = float(rng.uniform(2.0, 50.0))
   d = test_varlen.build(rng, caps_q, used_q, caps_k, used_k, tail_q=int(rng.integers(0, 9)),
@@ -143,34 +148,44 @@ def test_random_packed_contract_cute(seed):
   _run_packed(seed, "cute")
 
 
+def _reaches_kernels(fn, dtype, *arrays):
+  """Whether ``jax.grad(sum(fn(q, k, v)))``, lowered for CUDA (on any machine), calls the forward and the
+  backward kernel, not the pure-JAX path."""
+  def loss(q, k, v):
+    return jnp.sum(fn(q, k, v).astype(jnp.float32))
+
+  args = [jax.ShapeDtypeStruct(x.shape, dtype) for x in arrays]
+  targets = _targets(_lowered(jax.grad(loss, (0, 1, 2)), *args))
+  return "jax_padsafe_fwd" in targets and "jax_padsafe_bwd" in targets
+
+
+def dense_reaches_kernels(p, dtype):
+  """Whether a dense draw lowers (for CUDA) to the forward and backward kernels, not the pure-JAX path."""
+  kw = helpers.api_kwargs(p, "cute")
+  fn = lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, **kw)  # noqa: E731
+  return _reaches_kernels(fn, dtype, p.q, p.k, p.v)
+
+
+def packed_reaches_kernels(d, dtype):
+  """The same for a packed draw (``varlen_attention``)."""
+  p = d["problem"]
+  kw = dict(seqused_q=jnp.asarray(d["used_q"]), seqused_k=jnp.asarray(d["used_k"]),
+            is_causal=p.causal, softcap=p.softcap, implementation="cute",
+            causal_alignment="bottom_right" if p.bottom_right else "top_left",
+            local_window_size=None if p.window is None else tuple(-1 if w is None else w
+                                                                  for w in p.window),
+            max_seqlen_q=int(p.q.shape[1]), max_seqlen_k=int(p.k.shape[1]))
+  cu_q, cu_k = jnp.asarray(d["cu_q"]), jnp.asarray(d["cu_k"])
+  fn = lambda q, k, v: jax_padsafe.varlen_attention(q, k, v, cu_q, cu_k, **kw)  # noqa: E731
+  return _reaches_kernels(fn, dtype, d["q"], d["k"], d["v"])
+
+
 def test_gpu_draws_reach_the_kernels(kernels_built):
   """Every GPU case lowers (for CUDA, on the CPU) to the forward and backward custom calls under
   implementation="cute": the GPU fuzz really tests the kernels, never a fallback."""
   for seed in GPU_SEEDS:
     p, dtype = draw_problem(seed, "cute")
-    kw = helpers.api_kwargs(p, "cute")
-
-    def loss(q, k, v):
-      return jnp.sum(jax_padsafe.dot_product_attention(q, k, v, **kw).astype(jnp.float32))
-
-    args = [jax.ShapeDtypeStruct(x.shape, dtype) for x in (p.q, p.k, p.v)]
-    targets = _targets(_lowered(jax.grad(loss, (0, 1, 2)), *args))
-    assert "jax_padsafe_fwd" in targets and "jax_padsafe_bwd" in targets, (seed, p.shape)
+    assert dense_reaches_kernels(p, dtype), (seed, p.shape)
   for seed in GPU_SEEDS[:16]:
     d, dtype, _ = draw_packed(seed, "cute")
-    p = d["problem"]
-    kw = dict(seqused_q=jnp.asarray(d["used_q"]), seqused_k=jnp.asarray(d["used_k"]),
-              is_causal=p.causal, softcap=p.softcap, implementation="cute",
-              causal_alignment="bottom_right" if p.bottom_right else "top_left",
-              local_window_size=None if p.window is None else tuple(-1 if w is None else w
-                                                                    for w in p.window),
-              max_seqlen_q=int(p.q.shape[1]), max_seqlen_k=int(p.k.shape[1]))
-    cu_q, cu_k = jnp.asarray(d["cu_q"]), jnp.asarray(d["cu_k"])
-
-    def packed_loss(q, k, v):
-      out = jax_padsafe.varlen_attention(q, k, v, cu_q, cu_k, **kw)
-      return jnp.sum(out.astype(jnp.float32))
-
-    args = [jax.ShapeDtypeStruct(x.shape, dtype) for x in (d["q"], d["k"], d["v"])]
-    targets = _targets(_lowered(jax.grad(packed_loss, (0, 1, 2)), *args))
-    assert "jax_padsafe_fwd" in targets and "jax_padsafe_bwd" in targets, seed
+    assert packed_reaches_kernels(d, dtype), seed

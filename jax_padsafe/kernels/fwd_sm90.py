@@ -563,7 +563,7 @@ class FlashFwdSm90:
         tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg, opaque_zero,
         m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max,
     ):
-        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        BM, HD = self.block_m, self.head_dim
         m0 = m_block * BM
         s_shape = rP.shape
         n_rows = cute.size(row_max)

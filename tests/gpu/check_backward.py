@@ -98,7 +98,7 @@ def ref_backward(q, k, v, do, dlse, cu_q, cu_k, uq, uk, *, scale, causal, bottom
 def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons,
              scale=None, dirty=False, rows_covered=False):
     jdt, ldt = DT[dtype]
-    N, H = q.shape[1], q.shape[2]
+    H = q.shape[2]
     scale = 1.0 / np.sqrt(H) if scale is None else scale
     q, k, v = (x.astype(ldt).astype(np.float64) for x in (q, k, v))
     padq, padk = pad_rows(cu_q, uq, q.shape[0]), pad_rows(cu_k, uk, k.shape[0])

@@ -72,7 +72,7 @@ def poison(x, pad, kind, rng):
 def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons,
              scale=None, rows_covered=False):
     jdt, ldt = DT[dtype]
-    N, H = q.shape[1], q.shape[2]
+    H = q.shape[2]
     scale = 1.0 / np.sqrt(H) if scale is None else scale
     # inputs exactly representable in the low-precision dtype
     q, k, v = (x.astype(ldt).astype(np.float64) for x in (q, k, v))
