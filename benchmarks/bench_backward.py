@@ -2,7 +2,13 @@
 jax.nn.dot_product_attention (implementation="cudnn" and "xla") in one run.  bf16, 16k tokens per batch.
 
     PYTHONPATH=. python benchmarks/bench_backward.py [--out results.json] [--dims 128] [--seqs 2048,4096,8192]
-        [--softcap 50]  (cute only: jax.nn has no softcap)
+        [--softcap 50]  (cute only: jax.nn has no softcap)  [--xla-deterministic]
+
+cuDNN's flash-attention backward is not deterministic by default (it accumulates dQ with atomics); ours always is
+(a fixed reduction order, so that results are bitwise reproducible and poison-invariant).  `--xla-deterministic`
+runs the whole benchmark with XLA_FLAGS --xla_gpu_exclude_nondeterministic_ops=true, which makes XLA ask cuDNN for
+its deterministic backward: the like-for-like comparison.  The flag is read when the GPU backend starts, so it
+needs a process of its own (the JSON records it).
 
 Each timed call computes o = attention(q, k, v) and (dq, dk, dv) = vjp(do) under one jit.  FLOPs counted
 as in ../shared anchors: forward 4 * N * H * (visible pairs), forward+backward 3.5x that (backward = 2.5x
@@ -70,7 +76,11 @@ def main():
     ap.add_argument("--seqs", default="2048,4096,8192")
     ap.add_argument("--softcap", type=float, default=0.0,
                     help="logit softcap of the cute kernels; jax.nn has none, so only cute runs with one")
+    ap.add_argument("--xla-deterministic", action="store_true",
+                    help="XLA_FLAGS --xla_gpu_exclude_nondeterministic_ops=true (cuDNN's deterministic backward)")
     a = ap.parse_args()
+    if a.xla_deterministic:  # before the backend starts (the first jax.devices()), which is when XLA reads it
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_exclude_nondeterministic_ops=true")
     if a.softcap:
         a.impls = "cute"
     dev = jax.devices()[0].device_kind
@@ -84,7 +94,8 @@ def main():
                 q, k, v, do = (jax.random.normal(kk, (B, S, N, D), jnp.bfloat16) for kk in ks)
                 pairs = B * (S * (S + 1) // 2 if causal else S * S)
                 fl = 4 * N * D * pairs
-                row = dict(head_dim=D, heads=N, seqlen=S, batch=B, causal=causal, softcap=a.softcap)
+                row = dict(head_dim=D, heads=N, seqlen=S, batch=B, causal=causal, softcap=a.softcap,
+                           xla_deterministic=a.xla_deterministic)
                 for impl in a.impls.split(","):
                     if impl == "xla" and S > 8192:
                         continue
@@ -102,7 +113,8 @@ def main():
                         row[impl + "_error"] = repr(e)[:300]
                 rows.append(row)
                 print(row, flush=True)
-    cap = f", softcap {a.softcap:g}" if a.softcap else ""
+    cap = (f", softcap {a.softcap:g}" if a.softcap else "") + (
+        ", XLA deterministic ops: cuDNN's deterministic backward" if a.xla_deterministic else "")
     print(f"\nforward / forward+backward TFLOP/s on {dev} (bf16{cap}; fwd+bwd counted as 3.5x forward FLOPs)")
     print(f"{'hd':>4} {'S':>6} {'causal':>6} | {'cute':>13} {'cudnn':>13} {'xla':>13} | fwd+bwd cute/cudnn")
     for r in rows:
@@ -110,7 +122,8 @@ def main():
         ratio = r["cute_fwdbwd"] / r["cudnn_fwdbwd"] if r.get("cute_fwdbwd") and r.get("cudnn_fwdbwd") else float("nan")
         print(f"{r['head_dim']:>4} {r['seqlen']:>6} {str(r['causal']):>6} | {f('cute')} {f('cudnn')} {f('xla')} | {ratio:.2f}")
     with open(a.out, "w") as fh:
-        json.dump(dict(device=dev, jax=jax.__version__, rows=rows), fh, indent=1)
+        json.dump(dict(device=dev, jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""), rows=rows), fh,
+                  indent=1)
 
 
 if __name__ == "__main__":
