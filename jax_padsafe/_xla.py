@@ -126,7 +126,10 @@ def _block_logits(spec: AttentionSpec, qg, q_seg, q_pos, blk):
   Returns ``(s, vis, tanh_s)``: ``s [B, K, G, T, bk]`` float32 (meaningful only where ``vis``),
   ``vis`` broadcastable to ``s``, and ``tanh(s_raw / softcap)`` for the softcap derivative.
   """
-  s = _einsum("btkgh,bskh->bkgts", qg, blk["k"].astype(_F32)) * _F32(spec.scale)
+  # The scale goes on q, before the GEMM (as jax.nn does), not on its product: XLA would fuse
+  # `product * scale` into the later `s - max` as one FMA, which subtracts the rounded max from the
+  # unrounded product; for |s| past ~1e9 that rounding gap alone overflows exp and gives inf / NaN.
+  s = _einsum("btkgh,bskh->bkgts", qg * _F32(spec.scale), blk["k"].astype(_F32))
   tanh_s = None
   if spec.softcap is not None:
     cap = _F32(spec.softcap)
