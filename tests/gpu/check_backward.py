@@ -33,65 +33,33 @@ import jax.numpy as jnp
 
 from jax_padsafe._cute import bwd_ops, ops
 from tests.gpu.check_forward import DENSE_FEATURES, DENSE_LENS, DT, POISONS, dense_batch, packed_batch, pad_rows, poison
-from tests.gpu.reference import visible_mask
+from tests.gpu.reference import attention_rows, visible_mask
 
 
 def ref_backward(q, k, v, do, dlse, cu_q, cu_k, uq, uk, *, scale, causal, bottom_right, left, right, softcap,
                  o_in=None, lowp=None, xp=jnp):
-    """(dq, dk, dv, seen_keys) of L = sum(o * do) + sum(lse * dlse) on the valid slices.
-    lowp=None: float64 throughout (o recomputed in float64).  lowp=dtype: float32 math, with o = o_in
-    (the low-precision forward output), P and dS rounded to lowp before their GEMMs."""
-    total_q, N, H = q.shape
+    """(dq, dk, dv, seen_keys) of L = sum(o * do) + sum(lse * dlse) on the valid slices, one sequence at a time
+    through `reference.attention_rows`.  lowp=None: float64 throughout (o recomputed in float64).  lowp=dtype: the
+    naive low-precision attention, with Delta from o_in (the kernel's low-precision forward output)."""
     K = k.shape[1]
-    g = N // K
-    ft = xp.float64 if lowp is None else xp.float32
-    rnd = (lambda x: x) if lowp is None else (lambda x: x.astype(lowp).astype(ft))
+    g = q.shape[1] // K
     dq = np.zeros(q.shape)
     dk = np.zeros(k.shape)
     dv = np.zeros(v.shape)
     seen = np.zeros(k.shape[0], bool)
+    heads = lambda x: np.asarray(x).transpose(1, 0, 2)  # noqa: E731  [rows, N, H] -> [N, rows, H]
     for b in range(len(uq)):
         lq, lk = int(uq[b]), int(uk[b])
         if lq == 0 or lk == 0:
             continue
         sq, sk = slice(cu_q[b], cu_q[b] + lq), slice(cu_k[b], cu_k[b] + lk)
-        qs = xp.asarray(q[sq], ft).transpose(1, 0, 2)                               # [N, lq, H]
-        ks = xp.repeat(xp.asarray(k[sk], ft), g, axis=1).transpose(1, 0, 2)         # [N, lk, H]
-        vs = xp.repeat(xp.asarray(v[sk], ft), g, axis=1).transpose(1, 0, 2)
-        dos = xp.asarray(do[sq], ft).transpose(1, 0, 2)
-        dl = xp.asarray(dlse[:, sq], ft)                                            # [N, lq]
-        m = xp.asarray(visible_mask(None, None, lq, lk, causal, bottom_right, left, right))
-        seen[cu_k[b]:cu_k[b] + lk] |= np.asarray(m).any(0)
-        s = xp.matmul(qs, ks.transpose(0, 2, 1)) * scale
-        t = None
-        if softcap:
-            t = xp.tanh(s / softcap)
-            s = softcap * t
-        s = xp.where(m[None], s, -xp.inf)
-        mx = s.max(-1, keepdims=True)
-        has = xp.isfinite(mx)
-        mxs = xp.where(has, mx, 0.0)
-        e = xp.where(m[None], xp.exp(s - mxs), 0.0)
-        l = e.sum(-1, keepdims=True)
-        p = e / xp.where(has, l, 1.0)
-        if o_in is None:
-            o = xp.matmul(p, vs)
-        else:
-            o = xp.asarray(o_in[sq], ft).transpose(1, 0, 2)
-        delta = xp.where(has[..., 0], (dos * o).sum(-1) - dl, 0.0)                 # [N, lq]
-        pr = rnd(p)
-        dvs = xp.matmul(pr.transpose(0, 2, 1), dos)                                 # [N, lk, H]
-        dp = xp.matmul(dos, vs.transpose(0, 2, 1))
-        ds = xp.where(m[None] & has, p * (dp - delta[..., None]), 0.0)
-        if t is not None:
-            ds = ds * (1 - t * t)
-        ds = rnd(ds)
-        dqs = xp.matmul(ds, ks) * scale
-        dks = xp.matmul(ds.transpose(0, 2, 1), qs) * scale
-        # the naive low-precision attention returns its gradients in the input dtype, as the kernels do
-        dq[sq] = np.asarray(rnd(dqs.transpose(1, 0, 2)), np.float64)
-        dk[sk] = np.asarray(rnd(dks.reshape(K, g, lk, H).sum(1).transpose(1, 0, 2)), np.float64)
-        dv[sk] = np.asarray(rnd(dvs.reshape(K, g, lk, H).sum(1).transpose(1, 0, 2)), np.float64)
+        m = visible_mask(None, None, lq, lk, causal, bottom_right, left, right)
+        seen[sk] |= m.any(0)
+        _, _, dqs, dks, dvs = attention_rows(
+            heads(q[sq]), np.repeat(heads(k[sk]), g, axis=0), np.repeat(heads(v[sk]), g, axis=0), heads(do[sq]),
+            np.asarray(dlse[:, sq]), m, scale=scale, softcap=softcap, kv_heads=K, lowp=lowp,
+            o_in=None if o_in is None else heads(o_in[sq]), xp=xp)
+        dq[sq], dk[sk], dv[sk] = dqs.transpose(1, 0, 2), dks.transpose(1, 0, 2), dvs.transpose(1, 0, 2)
     return dq, dk, dv, seen
 
 

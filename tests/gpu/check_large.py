@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_padsafe
+from tests.gpu.reference import attention_rows
 
 N, H = 8, 128
 DT = jnp.bfloat16
@@ -190,40 +191,20 @@ def _reference(q, k, v, g, rows, keys, scale, causal, lowp):
     """o, lse, dq of the query rows `rows` and dk, dv of the keys `keys` of one sequence (causal: top-left),
     for the loss sum(o * g) + sum(lse), computed from those rows alone: valid when every row that sees a
     key of `keys` is in `rows` (all rows; or the last keys of a causal sequence, seen only by its last rows).
-    q [L, N, H], k / v [L, K, H] (GQA: query head h uses kv head h // (N // K)); float64, or float32 with P
-    rounded to bf16 (lowp) for the tolerance rule: check_backward's naive attention (P and dS rounded before
-    their GEMMs, Delta from O in bf16, O and the gradients returned in bf16)."""
-    ft = jnp.float32 if lowp else jnp.float64
+    q [L, N, H], k / v [L, K, H] (GQA: query head h uses kv head h // (N // K)); float64, or (lowp) the naive
+    attention of the tolerance rule, as check_backward's (`reference.attention_rows`).  Row-major results:
+    o / dq [R, N, H], lse [N, R], dk / dv [len(keys), K, H]."""
     n, kh = q.shape[1], k.shape[1]
-    rep = lambda x: jnp.repeat(x.astype(ft), n // kh, axis=1)          # noqa: E731  [L, N, H]
-    kf, vf = rep(k), rep(v)
-    qr, gr = q[rows].astype(ft), g[rows].astype(ft)                    # [R, N, H]
-    s = jnp.einsum("rnh,lnh->nrl", qr, kf) * scale                     # [N, R, L]
+    rows = np.asarray(rows)
+    heads = lambda x: jnp.asarray(x).transpose(1, 0, 2)  # noqa: E731  [rows, N, H] -> [N, rows, H]
+    rep = lambda x: jnp.repeat(heads(x), n // kh, axis=0)  # noqa: E731
+    mask = np.ones((len(rows), k.shape[0]), bool)
     if causal:
-        seen = jnp.arange(k.shape[0])[None, None, :] <= jnp.asarray(rows)[None, :, None]
-        s = jnp.where(seen, s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)                                 # [N, R]
-    p = jnp.exp(s - lse[..., None])
-    pv = p.astype(DT).astype(ft) if lowp else p
-    o = jnp.einsum("nrl,lnh->rnh", pv, vf)
-    dp = jnp.einsum("rnh,lnh->nrl", gr, vf)
-    # Delta = rowsum(dO * O) - dlse (dlse = 1).  The low-precision attention takes O as it stores it, in the
-    # input dtype (check_backward's naive attention does the same): at 128k keys O is small and its rounding
-    # is a visible part of dq's error.
-    o_in = o.astype(DT).astype(ft) if lowp else o
-    delta = jnp.einsum("rnh,rnh->nr", gr, o_in) - 1.0
-    ds = p * (dp - delta[..., None])
-    if lowp:  # P and dS rounded to the input dtype before their GEMMs, as check_backward's naive attention
-        ds = ds.astype(DT).astype(ft)
-    dq = jnp.einsum("nrl,lnh->rnh", ds, kf) * scale
-    kk = jnp.asarray(keys)
-    dv = jnp.einsum("nrl,rnh->lnh", pv[:, :, kk], gr)                  # [Kr, N, H], then summed per kv head
-    dk = jnp.einsum("nrl,rnh->lnh", ds[:, :, kk], qr) * scale
-    fold = lambda x: x.reshape(x.shape[0], kh, n // kh, x.shape[2]).sum(2)  # noqa: E731
-    outs = [o, lse, dq, fold(dk), fold(dv)]
-    if lowp:  # it returns O and the gradients in the input dtype, as the kernels do (lse stays float32)
-        outs = [x if i == 1 else x.astype(DT).astype(ft) for i, x in enumerate(outs)]
-    return [np.asarray(x, np.float64) for x in outs]
+        mask = np.arange(k.shape[0])[None, :] <= rows[:, None]
+    o, lse, dq, dk, dv = attention_rows(heads(q[rows]), rep(k), rep(v), heads(g[rows]), jnp.ones((n, len(rows))), mask,
+                                        scale=scale, kv_heads=kh, keys=keys, lowp=DT if lowp else None, xp=jnp)
+    t = lambda x: x.transpose(1, 0, 2)  # noqa: E731
+    return [t(o), lse, t(dq), t(dk), t(dv)]
 
 
 def check_long(L, report):

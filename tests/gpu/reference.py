@@ -65,3 +65,55 @@ def reference(q, k, v, cu_q, cu_k, used_q, used_k, *, scale, causal, bottom_righ
         o[cu_q[b]:cu_q[b] + lq] = ob
         lse[:, cu_q[b]:cu_q[b] + lq] = lb
     return o, lse
+
+
+def attention_rows(qs, ks, vs, dos, dl, mask, *, scale, softcap=None, kv_heads=None, keys=None, lowp=None, o_in=None,
+                   xp=np):
+    """Attention of some query rows of one sequence and its gradients, for the loss sum(o * do) + sum(lse * dl):
+    the float64 reference (lowp=None), or the naive low-precision attention of the tolerance rule (lowp = the
+    input dtype: float32 math, P and dS rounded to lowp before their GEMMs, Delta from O in lowp, O and the
+    gradients returned in lowp, lse in float32).
+
+    qs / dos [N, R, H], ks / vs [N, L, H] (kv heads already repeated to N), dl [N, R], mask [R, L] bool (key j
+    visible to row r).  `o_in` [N, R, H]: the O that Delta uses (a kernel's own low-precision output); default
+    this function's O, rounded to lowp.  Rows with no visible key get o = 0, lse = -inf, dq = 0.  dk / dv are
+    the contributions of these rows only, summed over each kv head's query heads (`kv_heads`, default N), for
+    the keys `keys` (default all): complete when every row that sees those keys is among the rows.
+    Returns float64 NumPy arrays (o, lse, dq, dk, dv), head-major: [N, R, H], [N, R], [N, R, H], [K, L', H] x 2.
+    `xp` is numpy or jax.numpy (with x64 enabled, to run the float64 math on a GPU)."""
+    ft = xp.float64 if lowp is None else xp.float32
+    rnd = (lambda x: x) if lowp is None else (lambda x: x.astype(lowp).astype(ft))
+    qs, ks, vs, dos, dl = (xp.asarray(x, ft) for x in (qs, ks, vs, dos, dl))
+    m = xp.asarray(mask)[None]
+    s = xp.matmul(qs, ks.transpose(0, 2, 1)) * scale                              # [N, R, L]
+    t = None
+    if softcap:
+        t = xp.tanh(s / softcap)
+        s = softcap * t
+    s = xp.where(m, s, -xp.inf)
+    mx = s.max(-1, keepdims=True)
+    has = xp.isfinite(mx)
+    mxs = xp.where(has, mx, 0.0)
+    e = xp.where(m, xp.exp(s - mxs), 0.0)
+    l = xp.where(has, e.sum(-1, keepdims=True), 1.0)
+    p = e / l
+    lse = xp.where(has, mxs + xp.log(l), -xp.inf)[..., 0]
+    pr = rnd(p)
+    o = xp.matmul(pr, vs)
+    o_delta = rnd(o) if o_in is None else xp.asarray(o_in, ft)
+    delta = xp.where(has[..., 0], (dos * o_delta).sum(-1) - dl, 0.0)               # [N, R]
+    dp = xp.matmul(dos, vs.transpose(0, 2, 1))
+    ds = xp.where(m & has, p * (dp - delta[..., None]), 0.0)
+    if t is not None:
+        ds = ds * (1 - t * t)
+    ds = rnd(ds)
+    dq = xp.matmul(ds, ks) * scale
+    if keys is not None:
+        kk = xp.asarray(keys)
+        ds, pr = ds[:, :, kk], pr[:, :, kk]
+    dk = xp.matmul(ds.transpose(0, 2, 1), qs) * scale
+    dv = xp.matmul(pr.transpose(0, 2, 1), dos)
+    n = qs.shape[0]
+    kh = kv_heads or n
+    fold = lambda x: x.reshape(kh, n // kh, *x.shape[1:]).sum(1)  # noqa: E731
+    return [np.asarray(x, np.float64) for x in (rnd(o), lse, rnd(dq), rnd(fold(dk)), rnd(fold(dv)))]
