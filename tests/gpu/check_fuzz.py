@@ -37,37 +37,32 @@ def _seeds(text):
     return range(int(lo), int(hi)) if hi else range(int(lo), int(lo) + 1)
 
 
+def _masks(p):
+    """The masking features of a problem, as words."""
+    bits = []
+    if p.causal:
+        bits.append("causal-" + ("br" if p.bottom_right else "tl"))
+    if p.window is not None:
+        bits.append(f"window{p.window}")
+    if p.softcap:
+        bits.append(f"softcap{p.softcap:.1f}")
+    return bits
+
+
 def _describe(p, dtype):
     """One line naming what a dense case exercises, so that a failure can be read without rerunning it."""
     b, t = p.q.shape[:2]
     s, kh = p.k.shape[1], p.k.shape[2]
-    bits = [f"b{b} t{t} s{s} n{p.q.shape[2]}/{kh} hd{p.q.shape[3]} {jax.numpy.dtype(dtype).name}"]
-    if p.causal:
-        bits.append("causal-" + ("br" if p.bottom_right else "tl"))
-    if p.window is not None:
-        bits.append(f"window{p.window}")
-    if p.softcap:
-        bits.append(f"softcap{p.softcap:.1f}")
-    if p.q_ids is not None:
-        bits.append("segments")
-    if p.bias is not None:
-        bits.append("bias")
-    if p.mask is not None:
-        bits.append("mask")
+    bits = [f"b{b} t{t} s{s} n{p.q.shape[2]}/{kh} hd{p.q.shape[3]} {jax.numpy.dtype(dtype).name}"] + _masks(p)
+    bits += [name for name, x in (("segments", p.q_ids), ("bias", p.bias), ("mask", p.mask)) if x is not None]
     return " ".join(bits)
 
 
 def _describe_packed(d, dtype):
-    p = d["problem"]
-    bits = [f"seqs {len(d['used_q'])} used_q {list(map(int, d['used_q']))} used_k {list(map(int, d['used_k']))} "
-            f"n{d['q'].shape[1]}/{d['k'].shape[1]} hd{d['q'].shape[2]} {jax.numpy.dtype(dtype).name}"]
-    if p.causal:
-        bits.append("causal-" + ("br" if p.bottom_right else "tl"))
-    if p.window is not None:
-        bits.append(f"window{p.window}")
-    if p.softcap:
-        bits.append(f"softcap{p.softcap:.1f}")
-    return " ".join(bits)
+    """The same for a packed case: its sequences' used lengths."""
+    return " ".join([f"seqs {len(d['used_q'])} used_q {list(map(int, d['used_q']))} "
+                     f"used_k {list(map(int, d['used_k']))} n{d['q'].shape[1]}/{d['k'].shape[1]} "
+                     f"hd{d['q'].shape[2]} {jax.numpy.dtype(dtype).name}"] + _masks(d["problem"]))
 
 
 def main():
