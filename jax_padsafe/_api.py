@@ -251,7 +251,7 @@ def _make_spec(head_dim, scale, is_causal, local_window_size, softcap, block_k, 
     softcap = None
   softcap = V.check_scalar("softcap", softcap, positive=True)
   left, right = V.normalize_window(local_window_size)
-  if not isinstance(block_k, (int, np.integer)) or block_k <= 0:
+  if not isinstance(block_k, (int, np.integer)) or isinstance(block_k, (bool, np.bool_)) or block_k <= 0:
     raise ValueError(f"block_k must be a positive int, got {block_k!r}")
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
