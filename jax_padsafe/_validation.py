@@ -63,6 +63,10 @@ def normalize_window(local_window_size):
     left = right = int(local_window_size)
   elif isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2:
     left, right = local_window_size
+    for side in (left, right):  # a float would be truncated and a bool taken as 0 / 1: neither is a size
+      if side is not None and (not isinstance(side, (int, np.integer)) or isinstance(side, (bool, np.bool_))):
+        raise ValueError("local_window_size sides must be ints or None (a negative or None side is "
+                         f"unbounded), got {local_window_size!r}")
     left = None if left is None or left < 0 else int(left)
     right = None if right is None or right < 0 else int(right)
     return _unbounded_past_int32(left), _unbounded_past_int32(right)
@@ -84,6 +88,8 @@ def _unbounded_past_int32(side):
 def check_scalar(name, value, *, positive=False):
   if value is None:
     return None
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a Python float (static), got {value!r}")
   try:
     value = float(value)
   except (TypeError, jax.errors.ConcretizationTypeError) as e:

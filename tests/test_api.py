@@ -162,6 +162,11 @@ BAD_CALLS = [
      ValueError, "rank 3"),
     (lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, return_lse="yes"), TypeError, "return_lse"),
     (lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, block_k=True), ValueError, "block_k"),
+    (lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, local_window_size=(2.5, 1)), ValueError,
+     "local_window_size"),
+    (lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, local_window_size=(True, 2)), ValueError,
+     "local_window_size"),
+    (lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, scale=True), TypeError, "scale"),
     (lambda q, k, v: jax_padsafe.varlen_attention(q[0], k[0], v[0], jnp.array([0, 12]), jnp.array([0, 15]),
                                                   deterministic=1), TypeError, "deterministic"),
     # 64-bit values past int32 are an error, not wrapped into range (2**33 would wrap to the valid 0).
