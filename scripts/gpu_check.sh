@@ -84,7 +84,7 @@ case "$cmd" in
     if [[ $steps == *,fuzz,* ]]; then
       # One process per kernel family, in parallel: the float64 oracle on the host is most of a case's time.
       seed=${JPS_FUZZ_SEED:-3000}
-      pids=()
+      pids=(); fams=()
       for fam in sm90 sm80class fused; do
         case $fam in sm90) env=();; sm80class) env=(JAX_PADSAFE_SM90=0 JAX_PADSAFE_SM90_BWD=0);;
                      fused) env=(JAX_PADSAFE_FUSED_DQ=1);; esac
@@ -92,14 +92,18 @@ case "$cmd" in
         env "${env[@]}" XLA_PYTHON_CLIENT_PREALLOCATE=false OMP_NUM_THREADS=4 OPENBLAS_NUM_THREADS=4 \
           timeout "${JPS_FUZZ_SECONDS:-280}" python3 tests/gpu/check_fuzz.py --dense $seed:$((seed + 40)) \
           --packed $((seed + 40)):$((seed + 60)) --json "$out/check_fuzz_$fam.json" > "$out/check_fuzz_$fam.log" 2>&1 &
-        pids+=($!)
+        pids+=($!); fams+=("$fam")
         seed=$((seed + 60))
       done
-      for pid in "${pids[@]}"; do wait "$pid"; done
-      for f in "$out"/check_fuzz_*.log; do
-        echo "$(basename "$f" .log): $(grep -c '^ok' "$f") passed, $(grep -c '^FAIL' "$f") failed (a time limit may end a run early)"
+      for i in "${!pids[@]}"; do
+        wait "${pids[$i]}"; st=$?
+        f="$out/check_fuzz_${fams[$i]}.log"
+        echo "check_fuzz_${fams[$i]}: $(grep -c '^ok' "$f") passed, $(grep -c '^FAIL' "$f") failed, exit $st" \
+          "(124: the time limit ended the sweep, not a failure by itself)"
         grep -A3 '^FAIL' "$f" | head -20
-        grep -q '^FAIL' "$f" && rc=1
+        # 0: all passed; 124: cut off by the limit (its failures, if any, are FAIL lines); anything else (1: a
+        # case failed, or a crash before any case) fails the step.
+        if grep -q '^FAIL' "$f" || { [ "$st" -ne 0 ] && [ "$st" -ne 124 ]; }; then rc=1; tail -5 "$f"; fi
       done
     fi
     if [[ $steps == *,sharded,* ]] && [ "$ngpu" -ge 2 ]; then

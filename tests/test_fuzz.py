@@ -168,13 +168,7 @@ def dense_reaches_kernels(p, dtype):
 
 def packed_reaches_kernels(d, dtype):
   """The same for a packed draw (``varlen_attention``)."""
-  p = d["problem"]
-  kw = dict(seqused_q=jnp.asarray(d["used_q"]), seqused_k=jnp.asarray(d["used_k"]),
-            is_causal=p.causal, softcap=p.softcap, implementation="cute",
-            causal_alignment="bottom_right" if p.bottom_right else "top_left",
-            local_window_size=None if p.window is None else tuple(-1 if w is None else w
-                                                                  for w in p.window),
-            max_seqlen_q=int(p.q.shape[1]), max_seqlen_k=int(p.k.shape[1]))
+  kw = test_varlen.packed_kwargs(d, "cute")
   cu_q, cu_k = jnp.asarray(d["cu_q"]), jnp.asarray(d["cu_k"])
   fn = lambda q, k, v: jax_padsafe.varlen_attention(q, k, v, cu_q, cu_k, **kw)  # noqa: E731
   return _reaches_kernels(fn, dtype, d["q"], d["k"], d["v"])

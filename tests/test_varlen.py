@@ -44,14 +44,18 @@ def packed_from_padded(x, cu, used, total):
   return out
 
 
-def run_packed(d, dtype, impl, poison, rng, d_out, d_lse, **kw):
+def packed_kwargs(d, impl, **kw):
+  """`varlen_attention` keyword arguments for a problem from :func:`build` (cu_seqlens apart)."""
   p = d["problem"]
-  args = dict(seqused_q=jnp.asarray(d["used_q"], jnp.int32), seqused_k=jnp.asarray(d["used_k"], jnp.int32),
+  return dict(seqused_q=jnp.asarray(d["used_q"], jnp.int32), seqused_k=jnp.asarray(d["used_k"], jnp.int32),
               is_causal=p.causal, softcap=p.softcap,
               causal_alignment="bottom_right" if p.bottom_right else "top_left",
               local_window_size=None if p.window is None else tuple(-1 if w is None else w for w in p.window),
-              implementation=impl, return_lse=True,
-              max_seqlen_q=int(p.q.shape[1]), max_seqlen_k=int(p.k.shape[1]), **kw)
+              implementation=impl, max_seqlen_q=int(p.q.shape[1]), max_seqlen_k=int(p.k.shape[1]), **kw)
+
+
+def run_packed(d, dtype, impl, poison, rng, d_out, d_lse, **kw):
+  args = packed_kwargs(d, impl, return_lse=True, **kw)
   qv, kv = d["valid_q"][None], d["valid_k"][None]
   q = jnp.asarray(helpers.poison_rows(d["q"][None], qv, poison, rng)[0], dtype)
   k = jnp.asarray(helpers.poison_rows(d["k"][None], kv, poison, rng)[0], dtype)
