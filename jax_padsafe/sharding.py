@@ -174,15 +174,18 @@ def ring_attention(
     query_seq_lengths, key_value_seq_lengths: ``[B]`` valid lengths in *natural* positions (not
       permuted, whatever the layout).
     query_segment_ids, key_value_segment_ids: ``[B, T]`` / ``[B, S]`` in the *layout's* order.
-    skip_masked_blocks: skip (``lax.cond``) the compute of query/key chunk pairs that provably have
-      no visible pair (causal, window, lengths, segment ranges); forward and backward.
-    implementation: how each query/key chunk pair is computed. ``None``: the GPU kernels where
-      they apply (CUDA, bf16/fp16, no window; per chunk pair, when its rows form runs the
-      kernels express: fully visible pairs, and causal diagonal pairs whose query and key runs
-      start at the same position), else the pure-JAX blocks. ``"xla"``: always the pure-JAX
-      blocks. ``"cute"``: like ``None`` but raises ``NotImplementedError`` when the kernels cannot
-      serve the call at all. The choice per chunk pair is made at run time from segments and
-      positions only, so it never depends on what padded memory holds.
+    skip_masked_blocks: on the per-pair path, skip (``lax.cond``) the compute of query/key chunk
+      pairs that provably have no visible pair (causal, window, lengths, segment ranges); forward
+      and backward. Grouped kernel calls (below) never compute such pairs, whatever this says.
+    implementation: how the query/key chunk pairs are computed. ``None``: the GPU kernels where
+      they apply (CUDA, bf16/fp16, no window), else the pure-JAX blocks. With lengths only (no
+      segment ids; causal also needs ``T == S`` and top-left alignment) each ring step is one or
+      two *grouped* kernel calls whose runs select the visible pairs, with no run-time control
+      flow. Otherwise each chunk pair is routed at run time (``lax.switch``, from segments and
+      positions only, so never from what padded memory holds): fully visible pairs and causal
+      diagonal pairs whose query and key runs start at the same position on the kernels, the
+      rest on the pure-JAX blocks. ``"xla"``: always the pure-JAX blocks. ``"cute"``: like
+      ``None`` but raises ``NotImplementedError`` when the kernels cannot serve the call at all.
     max_segments: as in :func:`jax_padsafe.dot_product_attention` (runs per batch row per chunk
       that the kernels are sized for).
     Other arguments as in :func:`jax_padsafe.dot_product_attention`.
@@ -255,9 +258,11 @@ def ring_attention(
     else:
       max_runs = _packing.DEFAULT_TRACED_MAX_RUNS
     max_runs = max(1, min(max_runs, t // (num * nsub)))
+  grouped = _grouped_eligible(spec, t, s, q_ids is not None, causal_alignment == "bottom_right")
   cfg = _RingConfig(spec=spec, mesh=mesh, axis_name=axis_name, batch_axis=batch_axis,
                     head_axis=head_axis, nsub=nsub, skip=bool(skip_masked_blocks),
-                    kernel_fwd=kernel_fwd, kernel_bwd=kernel_bwd, max_runs=max_runs)
+                    kernel_fwd=kernel_fwd, kernel_bwd=kernel_bwd, max_runs=max_runs,
+                    grouped=grouped)
 
   # Sanitise before any arithmetic (selects): padded rows become exact zeros, and the gradient of
   # the select routes exact zeros to them.
@@ -324,6 +329,7 @@ class _RingConfig:
   kernel_fwd: bool = False  # chunk pairs may run on the GPU forward kernel
   kernel_bwd: bool = False  # ... and on the backward kernels
   max_runs: int = 1         # run slots per batch row of a chunk (see _packing)
+  grouped: bool = False     # lengths-only problem: one kernel call per group of chunk pairs (below)
 
   @property
   def size(self):
@@ -452,6 +458,8 @@ def _merge(o_acc, lse_acc, o_blk, lse_blk):
 
 
 def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
+  if cfg.grouped and cfg.kernel_fwd:
+    return _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
   spec, nsub = cfg.spec, cfg.nsub
   dtype = q.dtype
   qs = list(zip(_split(q, nsub, 1), _split(q_seg, nsub, 1), _split(q_pos, nsub, 1)))
@@ -489,6 +497,8 @@ def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
 
 
 def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
+  if cfg.grouped and cfg.kernel_bwd:
+    return _grouped_backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse)
   spec, nsub = cfg.spec, cfg.nsub
   qs = list(zip(_split(q, nsub, 1), _split(q_seg, nsub, 1), _split(q_pos, nsub, 1),
                 _split(o, nsub, 1), _split(lse, nsub, 2), _split(do, nsub, 1),
@@ -645,3 +655,183 @@ def _block_backward(cfg, qa, kb, vb, qsa, ksb, qpa, kpb, oa, la, doa, dla):
     return lax.switch(branch, [pure_jax, kernel(False), kernel(True)], *operands)
 
   return lax.platform_dependent(*operands, cuda=on_cuda, default=pure_jax)
+
+
+# --------------------------------------------------------------------------------------------------
+# Grouped kernel calls: the ring without run-time control flow (lengths-only problems)
+# --------------------------------------------------------------------------------------------------
+#
+# The general path above decides per chunk pair, at run time, whether to skip it (``lax.cond``) and
+# which kernel serves it (``lax.switch``). On a GPU every such decision copies its predicate to the
+# host and waits: on two H200s (32k tokens, causal zigzag) the syncs left the GPUs idle for 1.3 ms
+# of a 6.4 ms forward, and the per-pair routing (a sort per pair) and the copies that split every
+# chunk in two cost another 1.5 ms.
+#
+# Without segment ids the valid rows of every local chunk are a prefix of it (lengths count natural
+# positions, and positions increase along a contiguous chunk and along a zigzag chunk's two halves),
+# and which chunk pairs are visible follows from the device index and the step alone. So each step
+# becomes one or two kernel calls on the whole local chunks, whose *runs* (row ranges, see
+# ``_packing``) select the pairs: a pair that sees nothing gets an empty run (its CTAs exit at once),
+# and the device index enters only through the runs' start and length, which live on the device.
+# The causal flag of every call is static: diagonal pairs (step 0) run on the causal kernel, every
+# other visible pair is wholly visible (its keys precede its queries) and runs on the non-causal one.
+
+
+def _grouped_eligible(spec, t, s, has_segment_ids, bottom_right):
+  """Whether the grouped plan expresses this ring exactly (else the per-pair path)."""
+  if has_segment_ids or spec.has_window:
+    return False
+  if spec.causal:  # diagonal pairs must start at the same position: top-left alignment, T == S
+    return not bottom_right and t == s
+  return True
+
+
+def _grouped_plan(cfg, step, device, tq, tk):
+  """The kernel calls of one ring step on ``device`` (traced): ``[(causal, spans)]``.
+
+  ``causal`` is static; ``spans`` lists runs ``(q_lo, q_hi, k_lo, k_hi)`` of local rows (Python or
+  traced int32 scalars) in start order; run ``r`` of the queries attends to run ``r`` of the keys.
+  At step ``s`` the device holds the key chunk of device ``e = (d - s) mod P``, which precedes its
+  own chunk iff ``s <= d``.
+  """
+  if not cfg.spec.causal:
+    return [(False, [(0, tq, 0, tk)])]
+  earlier = jnp.int32(step) <= device  # the keys held come from an earlier device
+  if cfg.nsub == 1:  # contiguous: the diagonal, then whole chunks that are visible or not
+    if step == 0:
+      return [(True, [(0, tq, 0, tk)])]
+    return [(False, [(0, jnp.where(earlier, tq, 0), 0, tk)])]
+  # zigzag: local rows are chunk d (first half) and chunk 2P-1-d (second half).
+  hq, hk = tq // 2, tk // 2
+  if step == 0:  # both diagonals in one causal call; the second half sees the first half whole
+    return [(True, [(0, hq, 0, hk), (hq, tq, hk, tk)]), (False, [(hq, tq, 0, hk)])]
+  # Keys from an earlier device: both query halves see their first half (the second is later than
+  # both). From a later one: the second query half sees both key halves, the first half nothing.
+  return [(False, [(jnp.where(earlier, 0, hq), tq, 0, jnp.where(earlier, hk, tk))])]
+
+
+def _grouped_runs(spans, q_valid, k_valid, tq):
+  """``(runs, covered, q_run_id, k_run_id)`` of one call.
+
+  ``q_valid``/``k_valid``: int32 ``[B]`` valid-prefix lengths of the local query chunk and the key
+  chunk held. ``covered [B, tq]``: query rows inside a run that has keys (the rows whose lse the
+  call defines). ``q_run_id``/``k_run_id``: ``[B, rows]`` run index per row, -1 outside every run
+  (the segments that make the pure-JAX path compute exactly what the kernels compute).
+  """
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+  q_start = jnp.stack([i32(lo) for lo, _, _, _ in spans])
+  k_start = jnp.stack([i32(lo) for _, _, lo, _ in spans])
+  q_used = jnp.clip(q_valid[:, None] - q_start[None], 0,
+                    jnp.stack([i32(hi) - i32(lo) for lo, hi, _, _ in spans])[None])
+  k_used = jnp.clip(k_valid[:, None] - k_start[None], 0,
+                    jnp.stack([i32(hi) - i32(lo) for _, _, lo, hi in spans])[None])
+  b = q_valid.shape[0]
+  runs = _packing.Runs(jnp.broadcast_to(q_start[None], (b, len(spans))), q_used.astype(jnp.int32),
+                       jnp.broadcast_to(k_start[None], (b, len(spans))), k_used.astype(jnp.int32))
+
+  def run_id(start, used, rows):
+    r = jnp.arange(rows, dtype=jnp.int32)[None, :, None]
+    inside = (r >= start[:, None, :]) & (r < (start + used)[:, None, :])  # [B, rows, R]
+    ids = jnp.arange(len(spans), dtype=jnp.int32)
+    return jnp.max(jnp.where(inside, ids, -1), axis=2)
+
+  q_run_id = run_id(runs.q_start, runs.q_used, tq)
+  has_keys = jnp.take_along_axis(runs.k_used, jnp.maximum(q_run_id, 0), axis=1) > 0
+  covered = (q_run_id >= 0) & has_keys
+  return runs, covered, q_run_id, run_id
+
+
+def _grouped_forward_call(cfg, causal, spans, q, kc, vc, q_valid, k_valid, q_pos, k_pos):
+  """``(o float32, lse)`` of one grouped call; lse is ``-inf`` in rows the call does not cover."""
+  tq, tk = q.shape[1], kc.shape[1]
+  runs, covered, q_run_id, run_id = _grouped_runs(spans, q_valid, k_valid, tq)
+  spec = dataclasses.replace(cfg.spec, causal=causal)
+
+  def pure_jax(q, kc, vc):
+    k_run_id = run_id(runs.k_start, runs.k_used, tk)
+    o, lse = _xla.forward(spec, q.astype(_F32), kc.astype(_F32), vc.astype(_F32), None, None,
+                          q_run_id, k_run_id, q_pos, k_pos)
+    return o.astype(_F32), lse
+
+  def on_cuda(q, kc, vc):
+    from jax_padsafe._cute import ops  # pylint: disable=g-import-not-at-top
+    fwd = _partitioning.packed_to_runs(ops.flash_forward)
+    o, lse = fwd(q, kc, vc, *runs, **_kernel_static(cfg, causal, tq, tk))
+    return o.astype(_F32), lse
+
+  o, lse = lax.platform_dependent(q, kc, vc, cuda=on_cuda, default=pure_jax)
+  return o, jnp.where(covered[:, None, :], lse, _F32(-jnp.inf))
+
+
+def _grouped_backward_call(cfg, causal, spans, q, kc, vc, o, lse, do, dlse, q_valid, k_valid,
+                           q_pos, k_pos):
+  """``(dq, dk, dv)`` float32 of one grouped call (exact zeros outside its runs)."""
+  tq, tk = q.shape[1], kc.shape[1]
+  runs, _, q_run_id, run_id = _grouped_runs(spans, q_valid, k_valid, tq)
+  spec = dataclasses.replace(cfg.spec, causal=causal)
+  operands = (q, kc, vc, o, lse, do, dlse)
+
+  def pure_jax(q, kc, vc, o, lse, do, dlse):
+    k_run_id = run_id(runs.k_start, runs.k_used, tk)
+    g = _xla.backward(spec, q.astype(_F32), kc.astype(_F32), vc.astype(_F32), None, None, q_run_id,
+                      k_run_id, q_pos, k_pos, o, lse, do, dlse)
+    return tuple(x.astype(_F32) for x in g[:3])
+
+  def on_cuda(q, kc, vc, o, lse, do, dlse):
+    from jax_padsafe._cute import bwd_ops  # pylint: disable=g-import-not-at-top
+    bwd = _partitioning.packed_backward_to_runs(bwd_ops.flash_backward)
+    g = bwd(q, kc, vc, o.astype(q.dtype), lse, do.astype(q.dtype), dlse.astype(_F32), *runs,
+            deterministic=cfg.spec.deterministic, **_kernel_static(cfg, causal, tq, tk))
+    return tuple(x.astype(_F32) for x in g)
+
+  return lax.platform_dependent(*operands, cuda=on_cuda, default=pure_jax)
+
+
+def _valid_prefix(seg):
+  return (seg >= 0).sum(axis=1).astype(jnp.int32)
+
+
+def _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
+  device = lax.axis_index(cfg.axis_name)
+  q_valid = _valid_prefix(q_seg)
+  held = (k, v, k_seg, k_pos)  # separate leaves: no stacking copy before the transfer
+  o_acc = lse_acc = None
+  num = cfg.size
+  for step in range(num):
+    held_next = _shift(held, cfg) if step < num - 1 else None  # issued before this step's compute
+    kc, vc, ksc, kpc = held
+    k_valid = _valid_prefix(ksc)
+    for causal, spans in _grouped_plan(cfg, step, device, q.shape[1], kc.shape[1]):
+      o_b, lse_b = _grouped_forward_call(cfg, causal, spans, q, kc, vc, q_valid, k_valid, q_pos, kpc)
+      if o_acc is None:  # merging into (0, -inf) would return (o_b, lse_b) exactly
+        o_acc, lse_acc = o_b, lse_b
+      else:
+        o_acc, lse_acc = _merge(o_acc, lse_acc, o_b, lse_b)
+    held = held_next
+  lse = jnp.where((q_seg >= 0)[:, None, :], lse_acc, _F32(0))  # padded rows: lse exactly 0
+  o = jnp.where((q_seg >= 0)[:, :, None, None], o_acc, _F32(0))
+  return o.astype(q.dtype), lse
+
+
+def _grouped_backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
+  device = lax.axis_index(cfg.axis_name)
+  q_valid = _valid_prefix(q_seg)
+  held = (k, v, k_seg, k_pos)
+  dq = dkv = None
+  num = cfg.size
+  for step in range(num):
+    held_next = _shift(held, cfg) if step < num - 1 else None
+    kc, vc, ksc, kpc = held
+    k_valid = _valid_prefix(ksc)
+    dk_here = dv_here = None
+    for causal, spans in _grouped_plan(cfg, step, device, q.shape[1], kc.shape[1]):
+      g_q, g_k, g_v = _grouped_backward_call(cfg, causal, spans, q, kc, vc, o, lse, do, dlse,
+                                             q_valid, k_valid, q_pos, kpc)
+      dq = g_q if dq is None else dq + g_q
+      dk_here = g_k if dk_here is None else dk_here + g_k
+      dv_here = g_v if dv_here is None else dv_here + g_v
+    dkv = (dk_here, dv_here) if dkv is None else (dkv[0] + dk_here, dkv[1] + dv_here)
+    if num > 1:  # the accumulators travel with their chunk and arrive home after a full turn
+      dkv = _shift(dkv, cfg)
+    held = held_next
+  return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)

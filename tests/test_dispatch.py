@@ -272,6 +272,24 @@ def test_ring_chunk_pairs_lower_to_kernels(kernels_built, causal):
   targets = _targets(_lowered(jax.grad(loss(None), (0, 1, 2)), x, x, x))
   assert TARGET in targets and "jax_padsafe_bwd" in targets
   assert not _targets(_lowered(jax.grad(loss("xla"), (0, 1, 2)), x, x, x))
+
+  # Lengths only: the grouped plan. Causal zigzag on 2 devices is 3 kernel calls per pass (step 0:
+  # both diagonals in one causal call, one wholly visible pair; step 1: one call), non-causal one
+  # per step; no per-pair routing (its sort) and no per-pair alternatives.
+  lens = jnp.array([32, 19], jnp.int32)
+  text = _lowered(jax.grad(lambda q, k, v: jnp.sum(sharding.ring_attention(
+      q, k, v, mesh=mesh, axis_name="seq", is_causal=causal, query_seq_lengths=lens,
+      key_value_seq_lengths=lens, layout="zigzag" if causal else "contiguous").astype(jnp.float32)),
+      (0, 1, 2)), x, x, x)
+  calls = 3 if causal else 2
+  assert text.count(f"@{TARGET}") == calls and text.count("@jax_padsafe_bwd") == calls
+  assert "stablehlo.sort" not in text
+  # Segment ids keep the per-pair path: a run-time route per pair, two kernel alternatives each.
+  ids = jnp.zeros((2, 32), jnp.int32)
+  text = _lowered(lambda q, k, v: sharding.ring_attention(
+      q, k, v, mesh=mesh, axis_name="seq", is_causal=causal, query_segment_ids=ids,
+      key_value_segment_ids=ids, layout="zigzag" if causal else "contiguous"), x, x, x)
+  assert text.count(f"@{TARGET}") > calls and "stablehlo.sort" in text
   with pytest.raises(NotImplementedError, match="window"):
     _lowered(lambda q, k, v: sharding.ring_attention(
         q, k, v, mesh=mesh, axis_name="seq", local_window_size=4, implementation="cute"), x, x, x)

@@ -86,6 +86,9 @@ RING_CASES = {
     "causal_contiguous_gqa_hd128": (
         dict(b=2, t=256, s=256, n=8, k=2, h=128, q_len=[256, 150], kv_len=[256, 150], causal=True),
         "contiguous", False),
+    "causal_zigzag_cross_lengths_hd128": (  # the grouped plan: no run-time control flow
+        dict(b=2, t=512, s=512, n=8, k=2, h=128, q_len=[512, 300], kv_len=[470, 333], causal=True),
+        "zigzag", False),
     "causal_zigzag_segments_hd64": (
         dict(b=2, t=256, s=256, n=4, k=4, h=64, q_len=[256, 201], kv_len=[256, 201], causal=True),
         "zigzag", True),
@@ -144,6 +147,10 @@ def check_ring(devs, ways=2, cases=tuple(RING_CASES)):
     compiled = jax.jit(run).lower(*inputs("zero")).compile()
     hlo = compiled.as_text()
     calls = sorted(set(re.findall(r'custom_call_target="(jax_padsafe_\w+)"', hlo)))
+    # Lengths-only rings in top-left alignment take the grouped plan: no conditional at all (each
+    # one would copy its predicate to the host and wait).
+    grouped = not with_ids and not kw.get("bottom_right", False)
+    conditionals = len(re.findall(r"\bconditional\(", hlo))
 
     def results(poison):
       o, lse, dq, dk, dv = (np.asarray(r) for r in compiled(*inputs(poison)))
@@ -151,7 +158,8 @@ def check_ring(devs, ways=2, cases=tuple(RING_CASES)):
                   dv=dv[:, inv_k])
 
     names = ["out", "lse", "dq", "dk", "dv"]
-    row = dict(case=name, ring_gpus=ways, calls=calls, collectives=collectives(hlo))
+    row = dict(case=name, ring_gpus=ways, calls=calls, collectives=collectives(hlo),
+               grouped=grouped, conditionals=conditionals)
     try:
       base = results("zero")
       ref = oracle.reference(p, d_out, d_lse)
@@ -164,6 +172,8 @@ def check_ring(devs, ways=2, cases=tuple(RING_CASES)):
           helpers.assert_bitwise_equal(got[nm], base[nm], f"{nm} with {poison} in the padding")
       passed = "jax_padsafe_fwd" in calls and "jax_padsafe_bwd" in calls
       row["error"] = None if passed else "kernels not called"
+      if passed and grouped and conditionals:
+        passed, row["error"] = False, f"{conditionals} conditionals in a grouped ring"
     except AssertionError as e:
       passed, row["error"] = False, str(e)[:400]
     row["passed"] = passed
