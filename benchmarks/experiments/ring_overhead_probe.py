@@ -37,6 +37,10 @@ def parse_args(argv=None):
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   ap.add_argument("--tag", default="")
+  ap.add_argument("--documents", type=int, default=0,
+                  help="pack this many documents per row (segment ids; 0: one sequence)")
+  ap.add_argument("--per-pair", action="store_true",
+                  help="force the ring's per-pair path (the grouped plan off), for comparison")
   return ap.parse_args(argv)
 
 
@@ -135,12 +139,23 @@ def main(argv=None):
       return vjp(do)
     return fb
 
+  if a.per_pair:
+    jps._grouped_eligible = lambda *args: False  # pylint: disable=protected-access
+  kw = {}
+  if a.documents > 1:  # equal documents in natural order, laid out like the sequence
+    ids = (np.arange(t) * a.documents // t).astype(np.int32)[None]
+    order = jps.zigzag_indices(t, num) if a.layout == "zigzag" else np.arange(t)
+    kw = dict(query_segment_ids=jnp.asarray(ids[:, order]), key_value_segment_ids=jnp.asarray(ids[:, order]))
+    one_kw = dict(query_segment_ids=jnp.asarray(ids), key_value_segment_ids=jnp.asarray(ids))
+  else:
+    one_kw = {}
+
   def ring(q, k, v):
     return jps.ring_attention(q, k, v, mesh=mesh, axis_name="seq", layout=a.layout,
-                              is_causal=causal)
+                              is_causal=causal, **kw)
 
   def one(q, k, v):
-    return jax_padsafe.dot_product_attention(q, k, v, is_causal=causal)
+    return jax_padsafe.dot_product_attention(q, k, v, is_causal=causal, **one_kw)
 
   wrap = (lambda f: (lambda q, k, v, do: f(q, k, v))) if a.mode == "fwd" else grad_of
   ring_fn, one_fn = jax.jit(wrap(ring)), jax.jit(wrap(one))
@@ -162,7 +177,7 @@ def main(argv=None):
   one_ms = timed(one_fn, (q, k, v, do))
   ring_ms = timed(ring_fn, rargs)
   row = dict(device=devices[0].device_kind, devices=num, seq=t, heads=n, head_dim=h, causal=causal,
-             layout=a.layout, mode=a.mode, one_ms=round(one_ms, 3), ring_ms=round(ring_ms, 3),
+             layout=a.layout, mode=a.mode, documents=a.documents, per_pair=a.per_pair, one_ms=round(one_ms, 3), ring_ms=round(ring_ms, 3),
              ideal_ring_ms=round(one_ms / num, 3))
   print(json.dumps(row), flush=True)
 

@@ -14,7 +14,8 @@ Checks, for each case:
 MQA is checked too: its backward is not split by heads (the heads are gathered for it, the
 documented cost), and must still be bitwise equal.
 
-Ring attention on the kernels (sequence sharded over 2 GPUs; `--ring-only` runs just this part):
+Ring attention on the kernels (sequence sharded over 2 GPUs; `--ring-only` runs just this part,
+`--ring-only --ring-gpus 1` a ring of one device on one GPU):
 causal contiguous and zigzag layouts, lengths and packed segment ids, non-causal, and bottom-right
 alignment (whose off-diagonal pairs are not expressible and run on the pure-JAX blocks): forward
 and gradients against the float64 oracle (the contract's accuracy rule), exact zeros, bitwise
@@ -194,8 +195,9 @@ def main():
   ap.add_argument("--skip-ring", action="store_true")
   args = ap.parse_args()
   devs = jax.devices()
-  if len(devs) < 2:
-    print("needs >= 2 GPUs")
+  need = args.ring_gpus if args.ring_only else max(2, args.ring_gpus)  # a ring of 1 runs on 1 GPU
+  if len(devs) < need:
+    print(f"needs >= {need} GPUs")
     sys.exit(2)
   ring_rows, ok = ([], True) if args.skip_ring else check_ring(devs, args.ring_gpus,
                                                                 args.ring_cases.split(","))
