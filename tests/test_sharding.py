@@ -351,10 +351,10 @@ RING_CASES = {
     # pairs, selected by runs. On the CPU its calls run on the pure-JAX path with the runs as
     # segments, so these check the plan itself; tests/gpu/check_sharded.py runs it on the kernels.
     "gqa_causal_zigzag_cross_lengths_grouped_bf16": (
-        dict(b=2, t=32, s=32, n=4, k=2, h=64, q_len=[32, 21], kv_len=[27, 32], causal=True),
+        dict(b=3, t=32, s=32, n=4, k=2, h=64, q_len=[32, 21, 0], kv_len=[27, 32, 5], causal=True),
         jnp.bfloat16, (4,), ("seq",), "seq", None, None, "zigzag"),
     "mqa_full_contiguous_t_ne_s_grouped_bf16": (
-        dict(b=2, t=32, s=16, n=4, k=1, h=64, q_len=[32, 9], kv_len=[13, 3]),
+        dict(b=3, t=32, s=16, n=4, k=1, h=64, q_len=[32, 9, 20], kv_len=[13, 3, 0]),
         jnp.bfloat16, (4,), ("seq",), "seq", None, None, "contiguous"),
     "mha_causal_contiguous_data_x_seq_grouped_bf16": (
         dict(b=2, t=16, s=16, n=2, k=2, h=64, q_len=[16, 5], kv_len=[11, 16], causal=True),
