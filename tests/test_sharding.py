@@ -471,3 +471,32 @@ def test_ring_bad_inputs():
                             head_axis="model")
   with pytest.raises(ValueError, match="layout"):
     sharding.ring_attention(q, kv, kv, mesh=mesh, axis_name="seq", layout="striped")
+
+
+def _draw_ring_case(seed):
+  """A random lengths-only bf16 ring at a kernel head dim (the grouped plan): layout, ring size,
+  causal or not, T != S when not causal, GQA/MQA, softcap, empty and full rows."""
+  rng = np.random.default_rng(seed)
+  causal = bool(rng.integers(2))
+  layout = ("contiguous", "zigzag")[rng.integers(2)]
+  ways = int(rng.choice([2, 4]))
+  unit = ways * (2 if layout == "zigzag" else 1)
+  t = unit * 2 * int(rng.integers(2, 6))
+  s = t if causal else unit * 2 * int(rng.integers(1, 6))
+  b = int(rng.integers(1, 4))
+  k = int(rng.choice([1, 2]))
+  kw = dict(b=b, t=t, s=s, n=k * int(rng.choice([1, 2, 3])), k=k, h=64, causal=causal,
+            q_len=[int(x) for x in rng.integers(0, t + 1, size=b)],
+            kv_len=[int(x) for x in rng.integers(0, s + 1, size=b)])
+  kw["q_len"][0], kw["kv_len"][0] = t, s
+  if rng.integers(3) == 0:
+    kw["softcap"] = 20.0
+  return kw, jnp.bfloat16, (ways,), ("seq",), "seq", None, None, layout
+
+
+@pytest.mark.parametrize("seed", [20, 21, 28])  # drawn to cover empty rows, T != S zigzag, GQA causal zigzag
+def test_ring_attention_random_grouped(seed, monkeypatch):
+  """Random grouped rings through the whole ring check (oracle, zeros, poison, single device)."""
+  name = f"random_{seed}_grouped_bf16"
+  monkeypatch.setitem(RING_CASES, name, _draw_ring_case(seed))
+  test_ring_attention(name)
