@@ -103,6 +103,30 @@ RING_CASES = {
 }
 
 
+def add_random_ring_cases(count, seed, ways):
+  """Random lengths-only rings (the grouped plan) at odd chunk sizes: run starts and lengths that
+  are no multiple of a tile, T != S without causal, GQA/MQA, softcap, empty and keyless rows."""
+  rng = np.random.default_rng(seed)
+  names = []
+  for i in range(count):
+    causal = bool(rng.integers(2))
+    layout = ("contiguous", "zigzag")[rng.integers(2)]
+    unit = ways * (2 if layout == "zigzag" else 1)
+    t = unit * int(rng.integers(20, 200))
+    s = t if causal else unit * int(rng.integers(10, 200))
+    b = int(rng.integers(1, 4))
+    k = int(rng.choice([1, 2, 4]))
+    kw = dict(b=b, t=t, s=s, n=k * int(rng.choice([1, 2, 4])), k=k, h=int(rng.choice([64, 128])),
+              causal=causal, q_len=[t] + [int(x) for x in rng.integers(0, t + 1, size=b - 1)],
+              kv_len=[s] + [int(x) for x in rng.integers(0, s + 1, size=b - 1)])
+    if rng.integers(3) == 0:
+      kw["softcap"] = 20.0
+    name = f"random_{seed}_{i}"
+    RING_CASES[name] = (kw, layout, False)
+    names.append(name)
+  return names
+
+
 def check_ring(devs, ways=2, cases=tuple(RING_CASES)):
   """Ring attention with kernel chunk pairs on ``ways`` GPUs; returns (rows, all passed)."""
   mesh = jax.make_mesh((ways,), ("seq",), devices=devs[:ways],
@@ -193,14 +217,18 @@ def main():
   ap.add_argument("--mesh-gpus", type=int, default=None,
                   help="GPUs of the batch/head meshes: 2 or 4 (default: min(4, GPUs)) or 8")
   ap.add_argument("--skip-ring", action="store_true")
+  ap.add_argument("--random-rings", type=int, default=0,
+                  help="also check this many random lengths-only rings (odd chunk sizes)")
+  ap.add_argument("--seed", type=int, default=0, help="seed of --random-rings")
   args = ap.parse_args()
   devs = jax.devices()
   need = args.ring_gpus if args.ring_only else max(2, args.ring_gpus)  # a ring of 1 runs on 1 GPU
   if len(devs) < need:
     print(f"needs >= {need} GPUs")
     sys.exit(2)
-  ring_rows, ok = ([], True) if args.skip_ring else check_ring(devs, args.ring_gpus,
-                                                                args.ring_cases.split(","))
+  cases = [c for c in args.ring_cases.split(",") if c]
+  cases += add_random_ring_cases(args.random_rings, args.seed, args.ring_gpus)
+  ring_rows, ok = ([], True) if args.skip_ring else check_ring(devs, args.ring_gpus, cases)
   if args.ring_only:
     if args.json:
       with open(args.json, "w") as fh:
