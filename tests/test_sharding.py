@@ -356,6 +356,9 @@ RING_CASES = {
     "mqa_full_contiguous_t_ne_s_grouped_bf16": (
         dict(b=3, t=32, s=16, n=4, k=1, h=64, q_len=[32, 9, 20], kv_len=[13, 3, 0]),
         jnp.bfloat16, (4,), ("seq",), "seq", None, None, "contiguous"),
+    "gqa_causal_zigzag_heads_x_seq_grouped_bf16": (
+        dict(b=2, t=16, s=16, n=4, k=2, h=64, q_len=[16, 7], kv_len=[13, 16], causal=True),
+        jnp.bfloat16, (2, 2), ("model", "seq"), "seq", None, "model", "zigzag"),
     "mha_causal_contiguous_data_x_seq_grouped_bf16": (
         dict(b=2, t=16, s=16, n=2, k=2, h=64, q_len=[16, 5], kv_len=[11, 16], causal=True),
         jnp.bfloat16, (2, 2), ("data", "seq"), "seq", "data", None, "contiguous"),
