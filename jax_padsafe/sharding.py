@@ -789,7 +789,7 @@ def _grouped_backward_call(cfg, causal, spans, q, kc, vc, o, lse, do, dlse, q_va
 
 
 def _valid_prefix(seg):
-  return (seg >= 0).sum(axis=1).astype(jnp.int32)
+  return _masking.row_is_valid(seg).sum(axis=1).astype(jnp.int32)
 
 
 def _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
@@ -810,7 +810,7 @@ def _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
         o_acc, lse_acc = _merge(o_acc, lse_acc, o_b, lse_b)
     held = held_next
   lse = jnp.where((q_seg >= 0)[:, None, :], lse_acc, _F32(0))  # padded rows: lse exactly 0
-  o = jnp.where((q_seg >= 0)[:, :, None, None], o_acc, _F32(0))
+  o = _masking.zero_invalid_rows(o_acc, q_seg)
   return o.astype(q.dtype), lse
 
 
