@@ -1,0 +1,32 @@
+"""CPU tests of the forward build matrix and the registry the FFI handler selects from (no GPU, no DSL)."""
+
+from jax_padsafe.kernels import build, variants as V
+
+
+def test_default_matrix():
+    vs = V.matrix(sm90=True)
+    by_family = {}
+    for v in vs:
+        by_family.setdefault(v.family, []).append(v)
+    assert set(by_family) == {"sm80", "sm90"}
+    assert len(by_family["sm80"]) == len(V.ARCHS) * len(V.DTYPES) * len(V.HEAD_DIMS) * len(V.SOFTCAP)
+    assert {(v.arch, v.dtype, v.head_dim, v.softcap) for v in by_family["sm90"]} == {
+        ("sm_90a", d, h, c) for d in V.DTYPES for h in V.SM90_TILES for c in V.SOFTCAP}
+    assert all(v.tile == V.SM90_TILES[v.head_dim] for v in by_family["sm90"])
+    assert all(v.tile == V.TILES[v.head_dim] for v in by_family["sm80"])
+    assert len({v.prefix for v in vs}) == len(vs)  # every export has its own symbol prefix
+    assert V.FwdVariant("sm_90a", "bf16", 128, False, "sm90").prefix == "jps_fwd_sm90k_sm_90a_bf16_hd128_nocap"
+    assert V.FwdVariant("sm_80", "fp16", 64, True).prefix == "jps_fwd_sm_80_fp16_hd64_cap"
+    assert all(v.family == "sm80" for v in V.matrix(archs=("sm_80",), sm90=True))  # the Hopper family: sm_90a only
+
+
+def test_registry_rows(tmp_path):
+    """The generated table carries what the handler selects on: arch, dtype, head dim, softcap, block_m, family."""
+    vs = [V.FwdVariant("sm_90a", "bf16", 128, False, "sm80"), V.FwdVariant("sm_90a", "fp16", 256, True, "sm90")]
+    build.write_registry(str(tmp_path), vs)
+    text = (tmp_path / "jps_registry.h").read_text()
+    rows = [ln.strip().rstrip(",").strip("{}").split(",") for ln in text.splitlines() if ln.startswith("  {90,")]
+    assert [[f.strip() for f in (r[:5] + r[-1:])] for r in rows] == [
+        ["90", "0", "128", "0", str(V.TILES[128][0]), "0"], ["90", "1", "256", "1", str(V.SM90_TILES[256][0]), "1"]]
+    assert f"static const int kJpsNumFwdVariants = {len(vs)};" in text
+    assert (tmp_path / "objects.txt").read_text().split() == [v.prefix + ".o" for v in vs]
