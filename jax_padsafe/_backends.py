@@ -19,6 +19,7 @@ from jax import custom_batching
 from jax import lax
 
 from jax_padsafe import _masking
+from jax_padsafe import _split_kv
 from jax_padsafe import _xla
 from jax_padsafe._spec import AttentionSpec
 
@@ -72,13 +73,15 @@ def _partitioned_kernel(kind: str):
 
   ``kind``: ``fwd_packed``/``bwd_packed`` (the varlen layout, heads shardable) or
   ``fwd_runs``/``bwd_runs`` (the padded layout as runs per batch row, see ``_packing``; batch and
-  heads shardable).
+  heads shardable), or ``fwd_runs_split`` (the padded forward with few query rows rewritten by
+  ``_split_kv``: GQA heads packed into rows, keys split; same sharding as ``fwd_runs``).
   """
   from jax_padsafe import _partitioning as P  # pylint: disable=g-import-not-at-top
   from jax_padsafe._cute import bwd_ops, ops  # pylint: disable=g-import-not-at-top
   return {
       "fwd_packed": lambda: P.partition_packed_forward(ops.flash_forward),
       "fwd_runs": lambda: P.partition_runs_forward(P.packed_to_runs(ops.flash_forward)),
+      "fwd_runs_split": lambda: P.partition_runs_forward(_split_kv.split_kv_to_runs(ops.flash_forward)),
       "bwd_packed": lambda: P.partition_packed_backward(bwd_ops.flash_backward),
       "bwd_runs": lambda: P.partition_runs_backward(
           P.packed_backward_to_runs(bwd_ops.flash_backward)),
@@ -153,7 +156,8 @@ def cute_forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_a
     if spec.packed:  # canonical batch of one holding the packed rows
       o, lse = _kernel_call("fwd_packed", static)(q[0], k[0], v[0], *_packed_args(kernel_args))
       return o[None], lse[None]
-    return _kernel_call("fwd_runs", static)(q, k, v, *_runs_args(kernel_args))
+    kind = "fwd_runs_split" if _split_kv.eligible(spec, q.shape[1], kernel_args) else "fwd_runs"
+    return _kernel_call(kind, static)(q, k, v, *_runs_args(kernel_args))
 
   def elsewhere(q, k, v):
     q, k, v = _masking.zero_padded_inputs(q, k, v, q_seg, k_seg)

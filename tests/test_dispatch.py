@@ -15,20 +15,6 @@ _cute = pytest.importorskip("jax_padsafe._cute.ops")
 TARGET = "jax_padsafe_fwd"
 
 
-@pytest.fixture
-def kernels_built(monkeypatch):
-  """Pretend the kernel library is built: dispatch then judges support by the default matrix."""
-  monkeypatch.setenv("JAX_PADSAFE_CUTE_LIB", "/nonexistent/libjax_padsafe_kernels.so")
-  _cute._load.cache_clear()
-  monkeypatch.setattr(_cute, "library_available", lambda: True)
-  bwd = pytest.importorskip("jax_padsafe._cute.bwd_ops")
-  bwd._load.cache_clear()
-  monkeypatch.setattr(bwd, "backward_available", lambda: True)
-  yield
-  _cute._load.cache_clear()
-  bwd._load.cache_clear()
-
-
 def _qkv(b=2, t=16, s=24, n=8, k=2, h=64, dtype=jnp.bfloat16):
   return (jax.ShapeDtypeStruct((b, t, n, h), dtype), jax.ShapeDtypeStruct((b, s, k, h), dtype),
           jax.ShapeDtypeStruct((b, s, k, h), dtype))

@@ -1,0 +1,179 @@
+"""Few query rows against many keys (decoding): pack GQA heads into rows and split the keys.
+
+The forward kernels give a CTA ``block_m = 128`` query rows of one head and walk every key of its
+sequence. With a handful of query rows per sequence (one per decode step) that grid has ``B * N``
+CTAs of nearly empty tiles, each streaming a whole KV cache: on an H100 one 128k-token sequence took
+1.3 ms against cuDNN's 0.19 ms (benchmarks/RESULTS.md, session 15). Two rewrites of the call, exact
+in what is visible, fix the shape of the grid without touching a kernel:
+
+* **GQA packing.** The ``G = N / K`` query heads that share a key/value head become ``T * G`` query
+  rows of one head (row ``t * G + g`` is query row ``t`` of head ``k * G + g``), so a tile holds
+  ``G`` times the useful rows and each key/value tile is read once per group. Row ``t * G + g`` is
+  valid iff ``t < q_len``, i.e. iff it is below ``q_len * G``: still a prefix.
+* **Split keys** (flash-decoding). Each sequence's keys are cut into ``P`` chunks of ``C`` rows. The
+  packed layout describes the chunks in place (chunk ``p`` of row ``b`` starts at key row
+  ``b * S + p * C`` and holds ``clamp(kv_len - p * C, 0, C)`` valid keys), so K and V are not
+  copied; the query rows are repeated per chunk (few rows: cheap). The ``P`` partial results are
+  merged through their lse with selects only: a chunk without valid keys reports lse ``-inf`` and
+  gets weight 0 by select, never by multiplying a value by 0.
+
+Both apply only where every valid query row sees every valid key of its sequence, so the rewritten
+call needs no mask: no window, and causal only for one query row with bottom-right alignment
+(that row is the sequence's last position: it sees all keys). ``eligible`` checks that and that the
+rows come from lengths (one run per batch row starting at row 0, the ``dense_rows`` layout); the
+plan (``plan``) is made from the shapes the function is traced with, which under
+``custom_partitioning`` are the local shard's. The backward is unchanged: it recomputes from q, k, v
+and the merged o and lse, which are the unsplit call's up to rounding.
+
+``JAX_PADSAFE_SPLIT_KV=0`` turns the rewrite off (A/B measurements); it is read when a call is traced.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+# Query rows per kernel tile (block_m of the kernels that run on the GPUs we ship for: sm90 and the
+# SM80-class hd64-128 tiles; at hd192/256 the SM80-class tile is 64 rows, where packing only helps more).
+_TILE_ROWS = 128
+# Split only a grid of less than one wave of query tiles (one per SM of an H100 / H200, 132 SMs), and then
+# into about two waves, so that every SM streams keys and the last wave is not a lone one.  A grid of a
+# wave or more gains nothing from more, shorter CTAs: only the merge's cost.
+_ONE_WAVE = 132
+_TARGET_TILES = 264
+# The smallest chunk: two key tiles of 128, so that a chunk's fixed costs (loading Q, the epilogue, the
+# merge) stay small next to its streaming.
+_MIN_CHUNK = 256
+_MAX_SPLITS = 128
+_F32 = jnp.float32
+
+
+class Plan(NamedTuple):
+  """How a call is rewritten: GQA packing on or off, and ``splits`` chunks of ``chunk`` keys."""
+  pack: bool
+  splits: int
+  chunk: int
+
+  @property
+  def changes_call(self) -> bool:
+    return self.pack or self.splits > 1
+
+
+def enabled() -> bool:
+  return os.environ.get("JAX_PADSAFE_SPLIT_KV", "1") != "0"
+
+
+def eligible(spec, num_query_rows: int, kernel_args) -> bool:
+  """Whether the rewrite keeps this call's visibility (see the module docstring)."""
+  if not enabled() or spec.packed or not spec.dense_rows or spec.has_window or kernel_args is None:
+    return False
+  if "runs_exact" in kernel_args:  # segment ids: several runs per row
+    return False
+  if spec.causal and not (num_query_rows == 1 and spec.bottom_right):
+    return False
+  return True
+
+
+def plan(batch: int, rows: int, heads: int, kv_heads: int, keys: int) -> Plan:
+  """The rewrite for local shapes ``q [batch, rows, heads, H]``, ``k [batch, keys, kv_heads, H]``."""
+  if keys == 0 or rows == 0:
+    return Plan(False, 1, keys)
+  group = heads // kv_heads
+  pack = group > 1 and rows * group <= _TILE_ROWS
+  rows_eff, heads_eff = (rows * group, kv_heads) if pack else (rows, heads)
+  if rows_eff > _TILE_ROWS:  # more than one query tile per (sequence, head): not a few-rows call
+    return Plan(False, 1, keys)
+  tiles = batch * heads_eff
+  splits = 1
+  if tiles < _ONE_WAVE and keys >= 2 * _MIN_CHUNK:
+    splits = min(math.ceil(_TARGET_TILES / tiles), keys // _MIN_CHUNK, _MAX_SPLITS)
+  # Chunks of whole key tiles; the last one may be shorter.
+  chunk = -(-keys // splits) if splits > 1 else keys
+  chunk = -(-chunk // _TILE_ROWS) * _TILE_ROWS if splits > 1 else chunk
+  splits = -(-keys // chunk) if keys else 1
+  return Plan(pack, splits, chunk)
+
+
+def merge_partials(o, lse):
+  """Merge ``P`` partial attention results over disjoint key sets (selects only).
+
+  Args:
+    o: ``[P, ..., H]`` partial outputs (any float dtype).
+    lse: ``[P, ...]`` float32 log-sum-exps of the partials; ``-inf`` where a partial saw no key.
+
+  Returns:
+    ``(o [..., H] float32, lse [...])``: a row no partial saw anything of gets o = 0, lse = -inf.
+  """
+  ninf = _F32(-jnp.inf)
+  mx = jnp.max(lse, axis=0)
+  empty = mx == ninf
+  mx_safe = jnp.where(empty, _F32(0), mx)  # finite, so never -inf - -inf below
+  w = jnp.where(lse == ninf, _F32(0), jnp.exp(lse - mx_safe))
+  tot = jnp.where(empty, _F32(1), jnp.sum(w, axis=0))  # >= 1 wherever a partial saw a key
+  part = jnp.where((lse == ninf)[..., None], _F32(0), w[..., None] * o.astype(_F32))
+  out = jnp.where(empty[..., None], _F32(0), jnp.sum(part, axis=0) / tot[..., None])
+  return out, jnp.where(empty, ninf, mx_safe + jnp.log(tot))
+
+
+def split_kv_to_runs(packed_fn):
+  """A runs forward (``_partitioning.packed_to_runs``'s signature, the runs layout of ``_packing``) that
+  applies the plan.
+
+  Only for calls that ``eligible`` accepted: one run per batch row, starting at row 0.
+  """
+  plain = None
+
+  @functools.wraps(packed_fn)
+  def padded(q, k, v, q_start, q_used, k_start, k_used, **static):
+    nonlocal plain
+    b, t, n, h = q.shape
+    s, nk = k.shape[1], k.shape[2]
+    p = plan(b, t, n, nk, s)
+    if not p.changes_call or q_used.shape[1] != 1:
+      if plain is None:
+        from jax_padsafe import _partitioning  # pylint: disable=g-import-not-at-top
+        plain = _partitioning.packed_to_runs(packed_fn)
+      return plain(q, k, v, q_start, q_used, k_start, k_used, **static)
+    group = n // nk
+    q_len, kv_len = q_used[:, 0], k_used[:, 0]
+    if p.pack:  # [B, T, K*G, H] -> [B, T*G, K, H]: row t*G + g of kv head k is query head k*G + g
+      q = q.reshape(b, t, nk, group, h).transpose(0, 1, 3, 2, 4).reshape(b, t * group, nk, h)
+      q_len = q_len * group
+    rows, heads = q.shape[1], q.shape[2]
+    splits, chunk = p.splits, p.chunk
+    # Sequence (b, c) of the rewritten call: the query rows of b again, and keys [c*C, min((c+1)*C, S))
+    # of b in place (starts b*S + c*C; the buffer keeps its S rows per batch row).
+    qs = jnp.broadcast_to(q[:, None], (b, splits) + q.shape[1:]).reshape(b * splits * rows, heads, h)
+    cu_q = jnp.arange(b * splits + 1, dtype=jnp.int32) * rows
+    starts = (jnp.arange(b, dtype=jnp.int32)[:, None] * s
+              + jnp.arange(splits, dtype=jnp.int32)[None, :] * chunk).reshape(-1)
+    cu_k = jnp.concatenate([starts, jnp.full((1,), b * s, jnp.int32)])
+    used_q = jnp.repeat(q_len.astype(jnp.int32), splits)
+    c0 = jnp.arange(splits, dtype=jnp.int32)[None, :] * chunk
+    used_k = jnp.clip(kv_len.astype(jnp.int32)[:, None] - c0, 0, chunk).reshape(-1)
+    call = dict(static, max_seqlen_q=rows, max_seqlen_k=chunk, causal=False, bottom_right=False,
+                window_left=-1, window_right=-1, rows_covered=True)
+    o, lse = packed_fn(qs, k.reshape(b * s, nk, h), v.reshape(b * s, nk, v.shape[-1]), cu_q, cu_k,
+                       used_q, used_k, **call)
+    # o [B*P*R, heads, H] -> [P, B, R, heads, H]; lse [heads, B*P*R] -> [P, B, R, heads].
+    o = o.reshape(b, splits, rows, heads, o.shape[-1]).transpose(1, 0, 2, 3, 4)
+    lse = lse.reshape(heads, b, splits, rows).transpose(2, 1, 3, 0)
+    # Padded query rows report lse 0 from every chunk: for the merge they saw nothing.
+    valid = (jnp.arange(rows, dtype=jnp.int32)[None, :] < q_len[:, None])[None, :, :, None]
+    o, lse = merge_partials(o, jnp.where(valid, lse, _F32(-jnp.inf)))
+    # Padded rows: o exactly 0 and lse exactly 0 (the contract), by select.
+    o = jnp.where(valid[0][..., None], o, _F32(0)).astype(q.dtype)
+    lse = jnp.where(valid[0], lse, _F32(0))
+    if p.pack:  # [B, T*G, K, H] -> [B, T, K*G, H]; lse [B, T*G, K] -> [B, K*G, T]
+      o = o.reshape(b, t, group, nk, o.shape[-1]).transpose(0, 1, 3, 2, 4).reshape(b, t, n, o.shape[-1])
+      lse = lse.reshape(b, t, group, nk).transpose(0, 3, 2, 1).reshape(b, n, t)
+    else:
+      lse = lse.transpose(0, 2, 1)
+    return o, lse
+
+  return padded
+

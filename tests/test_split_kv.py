@@ -1,0 +1,199 @@
+"""CPU tests of the few-query-rows rewrite (``jax_padsafe._split_kv``: GQA heads packed into rows, keys
+split into chunks, partials merged through their lse), run on the pure-JAX stand-in of the kernels'
+packed forward: the float64 oracle, the contract's exact zeros and bitwise poison invariance; which
+calls qualify; and that the CUDA lowering of a decode call is one kernel call on the rewritten layout."""
+
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jax_padsafe
+from jax_padsafe import _packing, _split_kv
+from jax_padsafe._spec import AttentionSpec
+from tests import helpers, oracle
+
+
+def _standin(q, k, v, *args, rows_covered=False, **static):
+  del rows_covered  # a performance promise to the kernels; the stand-in zero-fills anyway
+  return helpers.standin_flash_forward(q, k, v, *args, **static)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+  """Tiles of 8 rows, chunks of at least 8 keys: small problems get packed and split several ways."""
+  monkeypatch.setattr(_split_kv, "_TILE_ROWS", 8)
+  monkeypatch.setattr(_split_kv, "_MIN_CHUNK", 8)
+  monkeypatch.setattr(_split_kv, "_ONE_WAVE", 20)
+  monkeypatch.setattr(_split_kv, "_TARGET_TILES", 40)
+
+
+def _runner(p: oracle.Problem):
+  b, t, n, h, s, kh = p.shape
+  static = dict(max_seqlen_q=t, max_seqlen_k=s, scale=p.scale if p.scale is not None else h ** -0.5,
+                causal=p.causal, bottom_right=p.bottom_right, window_left=-1, window_right=-1,
+                softcap=p.softcap or 0.0, rows_covered=True)
+  fwd = _split_kv.split_kv_to_runs(_standin)
+  runs = _packing.runs_from_lengths(jnp.asarray(p.q_len), jnp.asarray(p.kv_len))
+
+  @jax.jit
+  def run(q, k, v, bias, do, dl):
+    del bias, do, dl
+    out, lse = fwd(q, k, v, *runs, **static)
+    return dict(out=out, lse=lse)
+
+  return run
+
+
+CASES = [  # (b, t, n, kh, s, q_len, kv_len, causal, softcap)
+    (3, 1, 8, 2, 61, [1, 0, 1], [61, 17, 0], False, None),       # decode, GQA 4: packed and split
+    (2, 1, 8, 8, 100, [1, 1], [100, 9], True, None),              # MHA, causal bottom-right T == 1
+    (2, 3, 4, 1, 45, [3, 2], [7, 45], False, 20.0),               # MQA, 3 rows, softcap
+    (1, 5, 6, 3, 200, [4], [150], False, None),                   # group 2, T*G = 10 > 8: split only
+    (4, 2, 4, 2, 33, [2, 0, 1, 2], [33, 33, 32, 1], False, None),  # a chunk boundary on the length
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_rewrite_keeps_the_contract(small_tiles, case):
+  b, t, n, kh, s, q_len, kv_len, causal, softcap = CASES[case]
+  rng = np.random.default_rng(100 + case)
+  p = helpers.random_problem(rng, b=b, t=t, s=s, n=n, k=kh, h=16, q_len=q_len, kv_len=kv_len,
+                             causal=causal, bottom_right=causal, softcap=softcap)
+  plan = _split_kv.plan(b, t, n, kh, s)
+  assert plan.changes_call  # the case exercises the rewrite, not the plain path
+  runner = _runner(p)
+  d_out, d_lse = helpers.cotangents(p, rng)
+  ref = oracle.reference(p, d_out, d_lse)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    base = helpers.run_padded(p, dtype, runner, poison="zero", d_out=d_out, d_lse=d_lse, rng=rng)
+    naive = helpers.naive_lowp(p, dtype, d_out, d_lse)
+    helpers.assert_close_to_oracle(base, ref, naive, dtype, ["out", "lse"])
+    helpers.assert_contract_zeros(p, base, ref)
+    for poison in helpers.POISONS:
+      got = helpers.run_padded(p, dtype, runner, poison=poison, d_out=d_out, d_lse=d_lse, rng=rng)
+      for name in ("out", "lse"):
+        helpers.assert_bitwise_equal(got[name], base[name], f"{name} with {poison} in the padding")
+
+
+def test_plan():
+  # One 128k-token sequence, 32 query heads over 8 kv heads: packed (4 rows per head), 32 chunks of 4096.
+  assert _split_kv.plan(1, 1, 32, 8, 131072) == _split_kv.Plan(True, 32, 4096)
+  # 256 query tiles once packed: a wave or more, so packed but not split.
+  assert _split_kv.plan(32, 1, 32, 8, 4096) == _split_kv.Plan(True, 1, 4096)
+  # More than one query tile per (sequence, head): prefill, unchanged, however small the grid.
+  assert not _split_kv.plan(8, 2048, 16, 16, 2048).changes_call
+  assert not _split_kv.plan(1, 512, 8, 8, 65536).changes_call
+  # MHA decode: no packing, split only; too few keys to split: unchanged.
+  assert _split_kv.plan(4, 1, 16, 16, 8192) == _split_kv.Plan(False, 5, 1664)
+  assert not _split_kv.plan(4, 1, 16, 16, 300).changes_call
+  # 40 rows x 4 heads do not fit one tile: split only.
+  assert _split_kv.plan(1, 40, 8, 2, 65536).pack is False
+  for args in [(1, 1, 32, 8, 131072), (3, 2, 12, 4, 1000), (1, 1, 1, 1, 777), (2, 7, 8, 1, 5000)]:
+    pl = _split_kv.plan(*args)
+    keys = args[-1]
+    assert pl.splits >= 1 and (pl.splits - 1) * pl.chunk < keys <= pl.splits * pl.chunk
+
+
+def test_merge_partials_selects():
+  """Chunks that saw nothing (lse -inf) never reach the result through a product, even with NaN in o."""
+  o = jnp.asarray([[[1.0, 2.0]], [[jnp.nan, jnp.inf]], [[3.0, 4.0]]])  # [P=3, rows=1, H=2]
+  lse = jnp.asarray([[0.0], [-jnp.inf], [0.0]])
+  out, l = _split_kv.merge_partials(o, lse)
+  np.testing.assert_allclose(np.asarray(out), [[2.0, 3.0]])
+  np.testing.assert_allclose(np.asarray(l), [np.log(2.0)], rtol=1e-6)
+  out, l = _split_kv.merge_partials(o[1:2], lse[1:2])
+  assert np.asarray(out).tolist() == [[0.0, 0.0]] and np.isneginf(np.asarray(l)).all()
+
+
+def _spec(**kw):
+  base = dict(scale=0.1, dense_rows=True, max_seqlen_q=1, max_seqlen_k=64)
+  base.update(kw)
+  return AttentionSpec(**base)
+
+
+def test_eligible():
+  runs = dict(q_start=0, q_used=0, k_start=0, k_used=0)
+  assert _split_kv.eligible(_spec(), 4, runs)
+  assert _split_kv.eligible(_spec(causal=True, bottom_right=True), 1, runs)
+  assert not _split_kv.eligible(_spec(causal=True, bottom_right=True), 2, runs)  # a diagonal to keep
+  assert not _split_kv.eligible(_spec(causal=True), 1, runs)  # top-left: row 0 sees key 0 only
+  assert not _split_kv.eligible(_spec(window_left=8), 1, runs)
+  assert not _split_kv.eligible(_spec(dense_rows=False), 1, runs)
+  assert not _split_kv.eligible(_spec(packed=True), 1, runs)
+  assert not _split_kv.eligible(_spec(), 1, dict(runs, runs_exact=True))  # segment ids
+  assert not _split_kv.eligible(_spec(), 1, None)
+
+
+def test_env_switch(monkeypatch):
+  monkeypatch.setenv("JAX_PADSAFE_SPLIT_KV", "0")
+  assert not _split_kv.eligible(_spec(), 1, dict(q_start=0))
+
+
+def _lower_decode(b, t, n, kh, s, **kw):
+  q = jax.ShapeDtypeStruct((b, t, n, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((b, s, kh, 128), jnp.bfloat16)
+  lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+  f = lambda q, k, v, lq, lk: jax_padsafe.dot_product_attention(
+      q, k, v, query_seq_lengths=lq, key_value_seq_lengths=lk, implementation="cute", **kw)
+  return jax.jit(f).trace(q, k, k, lens, lens).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _fwd_calls(text):
+  return re.findall(r"stablehlo\.custom_call @jax_padsafe_fwd\((.*?)\) \{(.*?)\} : \((.*?)\) -> \((.*?)\)", text)
+
+
+@pytest.mark.usefixtures("kernels_built")
+def test_decode_lowering_is_one_rewritten_kernel_call():
+  # 2 sequences x 1 row, 32 heads over 8 kv heads, 16k keys: packed to 4 rows x 8 heads, split in 16 chunks of 1024.
+  plan = _split_kv.plan(2, 1, 32, 8, 16384)
+  assert plan == _split_kv.Plan(True, 16, 1024)
+  calls = _fwd_calls(_lower_decode(2, 1, 32, 8, 16384, is_causal=True, causal_alignment="bottom_right"))
+  assert len(calls) == 1
+  _, attrs, operands, _ = calls[0]
+  ops_ = [o.strip() for o in operands.split(",")]
+  rows = 2 * plan.splits * 4
+  assert ops_[:3] == [f"tensor<{rows}x8x128xbf16>", "tensor<32768x8x128xbf16>", "tensor<32768x8x128xbf16>"]
+  assert ops_[3:] == [f"tensor<{2 * plan.splits + 1}xi32>"] * 2 + [f"tensor<{2 * plan.splits}xi32>"] * 2
+  for want in ("causal = 0 : i32", "bottom_right = 0 : i32", "max_seqlen_q = 4 : i32", "rows_covered = 1 : i32",
+               "window_left = -1 : i32", "window_right = -1 : i32"):
+    assert want in attrs, attrs
+
+
+@pytest.mark.usefixtures("kernels_built")
+def test_prefill_and_windowed_decode_lowering_unchanged():
+  for kw, shape in [(dict(), (2, 512, 32, 8, 512)),  # enough tiles: unchanged
+                    (dict(local_window_size=(64, 0)), (2, 1, 32, 8, 16384))]:  # a window: unchanged
+    b, t, n, kh, s = shape
+    calls = _fwd_calls(_lower_decode(b, t, n, kh, s, **kw))
+    assert len(calls) == 1
+    assert calls[0][2].split(",")[0].strip() == f"tensor<{b * t}x{n}x128xbf16>", kw
+
+
+DECODE_CASES = [  # (b, t, n, kh, h, s, causal, softcap, dtype): shapes the real plan packs and / or splits
+    (3, 1, 8, 2, 128, 3000, True, None, jnp.bfloat16),   # GQA 4, causal bottom-right decode
+    (2, 1, 4, 4, 64, 1500, False, None, jnp.float16),    # MHA: split only
+    (2, 2, 6, 1, 128, 2100, False, 30.0, jnp.bfloat16),  # MQA, two rows, softcap
+    (1, 1, 4, 2, 256, 4000, True, None, jnp.bfloat16),   # hd256
+]
+
+
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+def test_decode_contract(impl, case):
+  """The whole contract (gradients included) on decode shapes through the public API. With
+  impl="cute" (a GPU with the kernels) the forward runs rewritten on the kernels; on the CPU the
+  "xla" case checks the same problems on the pure-JAX path."""
+  b, t, n, kh, h, s, causal, softcap, dtype = DECODE_CASES[case]
+  assert _split_kv.plan(b, t, n, kh, s).changes_call
+  rng = np.random.default_rng(200 + case)
+  kv_len = rng.integers(s // 3, s + 1, size=b)
+  kv_len[0] = s if case % 2 else 0  # a full cache, or a valid row with no key
+  q_len = np.full(b, t)
+  if b > 1:
+    q_len[-1] = 0  # a padded batch row
+  p = helpers.random_problem(rng, b=b, t=t, s=s, n=n, k=kh, h=h, q_len=q_len, kv_len=kv_len,
+                             causal=causal, bottom_right=causal, softcap=softcap)
+  helpers.check_problem(p, dtype, impl, poisons=("nan", "inf", "huge"))
