@@ -17,12 +17,15 @@ in what is visible, fix the shape of the grid without touching a kernel:
   merged through their lse with selects only: a chunk without valid keys reports lse ``-inf`` and
   gets weight 0 by select, never by multiplying a value by 0.
 
-Both apply only where every valid query row sees every valid key of its sequence, so the rewritten
-call needs no mask: no window, and causal only for one query row with bottom-right alignment
-(that row is the sequence's last position: it sees all keys). ``eligible`` checks that and that the
-rows come from lengths (one run per batch row starting at row 0, the ``dense_rows`` layout); the
-plan (``plan``) is made from the shapes the function is traced with, which under
-``custom_partitioning`` are the local shard's. The backward is unchanged: it recomputes from q, k, v
+Both apply only where the rewritten call needs no mask: every valid query row of a sequence sees one
+contiguous range ``[lo, hi)`` of its keys, the chunks split that range, and the kernels run them
+without causal masking or a window. That holds without causal masking or a window (``[0, kv_len)``),
+and for one query row with any mask: its position ``off`` (``kv_len - 1`` with bottom-right
+alignment, else 0) sees ``[off - left, off + right]`` (``right = 0`` when causal), which covers
+decoding with a KV cache, sliding-window layers included; the chunks then cover only the window.
+``eligible`` checks that and that the rows come from lengths (one run per batch row starting at
+row 0, the ``dense_rows`` layout); the plan (``plan``) is made from the shapes the function is traced
+with, which under ``custom_partitioning`` are the local shard's. The backward is unchanged: it recomputes from q, k, v
 and the merged o and lse, which are the unsplit call's up to rounding.
 
 ``JAX_PADSAFE_SPLIT_KV=0`` turns the rewrite off (A/B measurements); it is read when a call is traced.
@@ -69,13 +72,29 @@ def enabled() -> bool:
 
 def eligible(spec, num_query_rows: int, kernel_args) -> bool:
   """Whether the rewrite keeps this call's visibility (see the module docstring)."""
-  if not enabled() or spec.packed or not spec.dense_rows or spec.has_window or kernel_args is None:
+  if not enabled() or spec.packed or not spec.dense_rows or kernel_args is None:
     return False
   if "runs_exact" in kernel_args:  # segment ids: several runs per row
     return False
-  if spec.causal and not (num_query_rows == 1 and spec.bottom_right):
-    return False
-  return True
+  return num_query_rows == 1 or not (spec.causal or spec.has_window)
+
+
+def _row_range_bounds(causal: bool, window_left: int, window_right: int):
+  """(left, right) reach of a one-row call's visible keys around its position (None: unbounded),
+  with the kernels' folding of causal into the window (right = 0)."""
+  left = window_left if window_left >= 0 else None
+  right = 0 if causal else (window_right if window_right >= 0 else None)
+  return left, right
+
+
+def visible_keys(keys: int, num_query_rows: int, causal: bool, window_left: int, window_right: int) -> int:
+  """A static bound on how many keys one sequence's rows see: the key range the chunks split."""
+  if num_query_rows != 1:
+    return keys
+  left, right = _row_range_bounds(causal, window_left, window_right)
+  if left is None or right is None:
+    return keys
+  return max(0, min(keys, left + right + 1))
 
 
 def plan(batch: int, rows: int, heads: int, kv_heads: int, keys: int) -> Plan:
@@ -132,29 +151,43 @@ def split_kv_to_runs(packed_fn):
     nonlocal plain
     b, t, n, h = q.shape
     s, nk = k.shape[1], k.shape[2]
-    p = plan(b, t, n, nk, s)
+    causal, br = static["causal"], static["bottom_right"]
+    wl, wr = static["window_left"], static["window_right"]
+    p = plan(b, t, n, nk, visible_keys(s, t, causal, wl, wr))
     if not p.changes_call or q_used.shape[1] != 1:
       if plain is None:
         from jax_padsafe import _partitioning  # pylint: disable=g-import-not-at-top
         plain = _partitioning.packed_to_runs(packed_fn)
       return plain(q, k, v, q_start, q_used, k_start, k_used, **static)
     group = n // nk
-    q_len, kv_len = q_used[:, 0], k_used[:, 0]
+    q_len, kv_len = jnp.clip(q_used[:, 0], 0, t), jnp.clip(k_used[:, 0], 0, s)
+    # The keys [lo, hi) of each sequence that its rows see (one row: around its position; see the
+    # module docstring), in the kernels' semantics: 0 <= j < kv_len and off - left <= j <= off + right.
+    lo, hi = jnp.zeros_like(kv_len), kv_len
+    if t == 1:
+      left, right = _row_range_bounds(causal, wl, wr)
+      off = (kv_len - q_len) if br else jnp.zeros_like(kv_len)
+      if left is not None:
+        lo = jnp.clip(off - left, 0, kv_len)
+      if right is not None:
+        hi = jnp.clip(off + right + 1, lo, kv_len)
     if p.pack:  # [B, T, K*G, H] -> [B, T*G, K, H]: row t*G + g of kv head k is query head k*G + g
       q = q.reshape(b, t, nk, group, h).transpose(0, 1, 3, 2, 4).reshape(b, t * group, nk, h)
       q_len = q_len * group
     rows, heads = q.shape[1], q.shape[2]
     splits, chunk = p.splits, p.chunk
-    # Sequence (b, c) of the rewritten call: the query rows of b again, and keys [c*C, min((c+1)*C, S))
-    # of b in place (starts b*S + c*C; the buffer keeps its S rows per batch row).
+    # Sequence (b, c) of the rewritten call: the query rows of b again, and keys [lo + c*C, lo + (c+1)*C)
+    # of b, cut at hi, in place: it starts at row b*S + lo + c*C of the buffer (which keeps its S rows per
+    # batch row), or at b*S + hi for an empty chunk, so the offsets never decrease and a chunk's used
+    # keys end where the next chunk starts.
     qs = jnp.broadcast_to(q[:, None], (b, splits) + q.shape[1:]).reshape(b * splits * rows, heads, h)
     cu_q = jnp.arange(b * splits + 1, dtype=jnp.int32) * rows
-    starts = (jnp.arange(b, dtype=jnp.int32)[:, None] * s
-              + jnp.arange(splits, dtype=jnp.int32)[None, :] * chunk).reshape(-1)
-    cu_k = jnp.concatenate([starts, jnp.full((1,), b * s, jnp.int32)])
+    lo, hi = lo.astype(jnp.int32)[:, None], hi.astype(jnp.int32)[:, None]
+    c0 = lo + jnp.arange(splits, dtype=jnp.int32)[None, :] * chunk
+    starts = jnp.arange(b, dtype=jnp.int32)[:, None] * s + jnp.minimum(c0, hi)
+    cu_k = jnp.concatenate([starts.reshape(-1), jnp.full((1,), b * s, jnp.int32)])
     used_q = jnp.repeat(q_len.astype(jnp.int32), splits)
-    c0 = jnp.arange(splits, dtype=jnp.int32)[None, :] * chunk
-    used_k = jnp.clip(kv_len.astype(jnp.int32)[:, None] - c0, 0, chunk).reshape(-1)
+    used_k = jnp.clip(hi - c0, 0, chunk).reshape(-1)
     call = dict(static, max_seqlen_q=rows, max_seqlen_k=chunk, causal=False, bottom_right=False,
                 window_left=-1, window_right=-1, rows_covered=True)
     o, lse = packed_fn(qs, k.reshape(b * s, nk, h), v.reshape(b * s, nk, v.shape[-1]), cu_q, cu_k,

@@ -21,7 +21,7 @@ import jax_padsafe
 from tests import helpers
 from tests import test_varlen
 from tests.conftest import _cute_ready
-from tests.test_dispatch import _lowered, _targets, kernels_built  # noqa: F401 (fixture)
+from tests.test_dispatch import _lowered, _targets
 
 CPU_SEEDS = range(12)
 GPU_SEEDS = range(100, 132)

@@ -33,8 +33,9 @@ def small_tiles(monkeypatch):
 
 def _runner(p: oracle.Problem):
   b, t, n, h, s, kh = p.shape
+  wl, wr = (-1 if w is None else w for w in (p.window or (None, None)))
   static = dict(max_seqlen_q=t, max_seqlen_k=s, scale=p.scale if p.scale is not None else h ** -0.5,
-                causal=p.causal, bottom_right=p.bottom_right, window_left=-1, window_right=-1,
+                causal=p.causal, bottom_right=p.bottom_right, window_left=wl, window_right=wr,
                 softcap=p.softcap or 0.0, rows_covered=True)
   fwd = _split_kv.split_kv_to_runs(_standin)
   runs = _packing.runs_from_lengths(jnp.asarray(p.q_len), jnp.asarray(p.kv_len))
@@ -48,22 +49,27 @@ def _runner(p: oracle.Problem):
   return run
 
 
-CASES = [  # (b, t, n, kh, s, q_len, kv_len, causal, softcap)
-    (3, 1, 8, 2, 61, [1, 0, 1], [61, 17, 0], False, None),       # decode, GQA 4: packed and split
-    (2, 1, 8, 8, 100, [1, 1], [100, 9], True, None),              # MHA, causal bottom-right T == 1
-    (2, 3, 4, 1, 45, [3, 2], [7, 45], False, 20.0),               # MQA, 3 rows, softcap
-    (1, 5, 6, 3, 200, [4], [150], False, None),                   # group 2, T*G = 10 > 8: split only
-    (4, 2, 4, 2, 33, [2, 0, 1, 2], [33, 33, 32, 1], False, None),  # a chunk boundary on the length
+CASES = [  # (b, t, n, kh, s, q_len, kv_len, extra problem fields)
+    (3, 1, 8, 2, 61, [1, 0, 1], [61, 17, 0], {}),                              # decode, GQA 4: packed, split
+    (2, 1, 8, 8, 100, [1, 1], [100, 9], dict(causal=True, bottom_right=True)),  # MHA, causal bottom-right
+    (2, 3, 4, 1, 45, [3, 2], [7, 45], dict(softcap=20.0)),                     # MQA, 3 rows, softcap
+    (1, 5, 6, 3, 200, [4], [150], {}),                                         # T*G = 10 > 8: split only
+    (4, 2, 4, 2, 33, [2, 0, 1, 2], [33, 33, 32, 1], {}),                       # a chunk boundary on the length
+    # One row with a window: the chunks cover only the keys around the row's position.
+    (3, 1, 8, 2, 90, [1, 1, 1], [90, 20, 3], dict(causal=True, bottom_right=True, window=(17, None))),
+    (2, 1, 4, 2, 70, [1, 1], [70, 41], dict(bottom_right=True, window=(30, 5))),
+    (2, 1, 4, 4, 70, [1, 1], [70, 0], dict(window=(None, 33))),                # top-left: row 0 sees [0, 33]
+    (2, 1, 4, 1, 64, [1, 0], [64, 64], dict(causal=True)),                     # top-left causal: key 0 only
 ]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_rewrite_keeps_the_contract(small_tiles, case):
-  b, t, n, kh, s, q_len, kv_len, causal, softcap = CASES[case]
+  b, t, n, kh, s, q_len, kv_len, extra = CASES[case]
   rng = np.random.default_rng(100 + case)
-  p = helpers.random_problem(rng, b=b, t=t, s=s, n=n, k=kh, h=16, q_len=q_len, kv_len=kv_len,
-                             causal=causal, bottom_right=causal, softcap=softcap)
-  plan = _split_kv.plan(b, t, n, kh, s)
+  p = helpers.random_problem(rng, b=b, t=t, s=s, n=n, k=kh, h=16, q_len=q_len, kv_len=kv_len, **extra)
+  wl, wr = (-1 if w is None else w for w in (p.window or (None, None)))
+  plan = _split_kv.plan(b, t, n, kh, _split_kv.visible_keys(s, t, p.causal, wl, wr))
   assert plan.changes_call  # the case exercises the rewrite, not the plain path
   runner = _runner(p)
   d_out, d_lse = helpers.cotangents(p, rng)
@@ -96,6 +102,11 @@ def test_plan():
     pl = _split_kv.plan(*args)
     keys = args[-1]
     assert pl.splits >= 1 and (pl.splits - 1) * pl.chunk < keys <= pl.splits * pl.chunk
+  # A sliding-window decode splits its window, not the cache.
+  assert _split_kv.visible_keys(131072, 1, True, 4095, -1) == 4096
+  assert _split_kv.visible_keys(131072, 1, False, 4095, -1) == 131072  # unbounded on the right
+  assert _split_kv.visible_keys(131072, 2, True, 4095, -1) == 131072
+  assert _split_kv.plan(1, 1, 32, 8, 4096) == _split_kv.Plan(True, 16, 256)
 
 
 def test_merge_partials_selects():
@@ -118,10 +129,13 @@ def _spec(**kw):
 def test_eligible():
   runs = dict(q_start=0, q_used=0, k_start=0, k_used=0)
   assert _split_kv.eligible(_spec(), 4, runs)
+  # One row sees one contiguous key range whatever the mask.
   assert _split_kv.eligible(_spec(causal=True, bottom_right=True), 1, runs)
-  assert not _split_kv.eligible(_spec(causal=True, bottom_right=True), 2, runs)  # a diagonal to keep
-  assert not _split_kv.eligible(_spec(causal=True), 1, runs)  # top-left: row 0 sees key 0 only
-  assert not _split_kv.eligible(_spec(window_left=8), 1, runs)
+  assert _split_kv.eligible(_spec(causal=True), 1, runs)
+  assert _split_kv.eligible(_spec(window_left=8, causal=True, bottom_right=True), 1, runs)
+  # Several rows: only without causal masking or a window (no diagonal to keep).
+  assert not _split_kv.eligible(_spec(causal=True, bottom_right=True), 2, runs)
+  assert not _split_kv.eligible(_spec(window_left=8), 3, runs)
   assert not _split_kv.eligible(_spec(dense_rows=False), 1, runs)
   assert not _split_kv.eligible(_spec(packed=True), 1, runs)
   assert not _split_kv.eligible(_spec(), 1, dict(runs, runs_exact=True))  # segment ids
@@ -164,20 +178,36 @@ def test_decode_lowering_is_one_rewritten_kernel_call():
 
 
 @pytest.mark.usefixtures("kernels_built")
-def test_prefill_and_windowed_decode_lowering_unchanged():
-  for kw, shape in [(dict(), (2, 512, 32, 8, 512)),  # enough tiles: unchanged
-                    (dict(local_window_size=(64, 0)), (2, 1, 32, 8, 16384))]:  # a window: unchanged
+def test_prefill_and_masked_rows_lowering_unchanged():
+  for kw, shape in [(dict(), (2, 512, 32, 8, 512)),  # prefill: more than one tile per (sequence, head)
+                    (dict(local_window_size=(64, 0)), (2, 2, 32, 8, 16384)),  # two rows and a window
+                    (dict(is_causal=True, causal_alignment="bottom_right"), (2, 4, 32, 8, 16384))]:
     b, t, n, kh, s = shape
     calls = _fwd_calls(_lower_decode(b, t, n, kh, s, **kw))
     assert len(calls) == 1
     assert calls[0][2].split(",")[0].strip() == f"tensor<{b * t}x{n}x128xbf16>", kw
 
 
-DECODE_CASES = [  # (b, t, n, kh, h, s, causal, softcap, dtype): shapes the real plan packs and / or splits
-    (3, 1, 8, 2, 128, 3000, True, None, jnp.bfloat16),   # GQA 4, causal bottom-right decode
-    (2, 1, 4, 4, 64, 1500, False, None, jnp.float16),    # MHA: split only
-    (2, 2, 6, 1, 128, 2100, False, 30.0, jnp.bfloat16),  # MQA, two rows, softcap
-    (1, 1, 4, 2, 256, 4000, True, None, jnp.bfloat16),   # hd256
+@pytest.mark.usefixtures("kernels_built")
+def test_sliding_window_decode_lowering():
+  """One row with a window of 2048 keys over a 64k cache: the chunks split the window, not the cache."""
+  plan = _split_kv.plan(2, 1, 32, 8, _split_kv.visible_keys(65536, 1, True, 2047, -1))
+  assert plan == _split_kv.Plan(True, 8, 256)
+  calls = _fwd_calls(_lower_decode(2, 1, 32, 8, 65536, is_causal=True, causal_alignment="bottom_right",
+                                   local_window_size=(2047, 0)))
+  assert len(calls) == 1
+  _, attrs, operands, _ = calls[0]
+  assert operands.split(",")[0].strip() == f"tensor<{2 * plan.splits * 4}x8x128xbf16>"
+  assert "causal = 0 : i32" in attrs and "window_left = -1 : i32" in attrs, attrs
+
+DECODE_CASES = [  # (b, t, n, kh, h, s, dtype, extra problem fields): shapes the real plan packs and / or splits
+    (3, 1, 8, 2, 128, 3000, jnp.bfloat16, dict(causal=True, bottom_right=True)),  # GQA 4 decode
+    (2, 1, 4, 4, 64, 1500, jnp.float16, {}),                                       # MHA: split only
+    (2, 2, 6, 1, 128, 2100, jnp.bfloat16, dict(softcap=30.0)),                     # MQA, two rows, softcap
+    (1, 1, 4, 2, 256, 4000, jnp.bfloat16, dict(causal=True, bottom_right=True)),   # hd256
+    # sliding-window decode (the chunks split the window) and a one-row top-left window
+    (3, 1, 8, 2, 128, 6000, jnp.bfloat16, dict(causal=True, bottom_right=True, window=(1500, None))),
+    (2, 1, 4, 4, 64, 3000, jnp.float16, dict(window=(None, 700))),
 ]
 
 
@@ -186,14 +216,14 @@ def test_decode_contract(impl, case):
   """The whole contract (gradients included) on decode shapes through the public API. With
   impl="cute" (a GPU with the kernels) the forward runs rewritten on the kernels; on the CPU the
   "xla" case checks the same problems on the pure-JAX path."""
-  b, t, n, kh, h, s, causal, softcap, dtype = DECODE_CASES[case]
-  assert _split_kv.plan(b, t, n, kh, s).changes_call
+  b, t, n, kh, h, s, dtype, extra = DECODE_CASES[case]
   rng = np.random.default_rng(200 + case)
   kv_len = rng.integers(s // 3, s + 1, size=b)
   kv_len[0] = s if case % 2 else 0  # a full cache, or a valid row with no key
   q_len = np.full(b, t)
   if b > 1:
     q_len[-1] = 0  # a padded batch row
-  p = helpers.random_problem(rng, b=b, t=t, s=s, n=n, k=kh, h=h, q_len=q_len, kv_len=kv_len,
-                             causal=causal, bottom_right=causal, softcap=softcap)
+  p = helpers.random_problem(rng, b=b, t=t, s=s, n=n, k=kh, h=h, q_len=q_len, kv_len=kv_len, **extra)
+  wl, wr = (-1 if w is None else w for w in (p.window or (None, None)))
+  assert _split_kv.plan(b, t, n, kh, _split_kv.visible_keys(s, t, p.causal, wl, wr)).changes_call
   helpers.check_problem(p, dtype, impl, poisons=("nan", "inf", "huge"))
