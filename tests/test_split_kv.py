@@ -227,3 +227,38 @@ def test_decode_contract(impl, case):
   wl, wr = (-1 if w is None else w for w in (p.window or (None, None)))
   assert _split_kv.plan(b, t, n, kh, _split_kv.visible_keys(s, t, p.causal, wl, wr)).changes_call
   helpers.check_problem(p, dtype, impl, poisons=("nan", "inf", "huge"))
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 1)], ids=["gqa", "mqa"])
+def test_sharded_decode_runs_shard_local(small_tiles, heads):
+  """Batch- and head-sharded decode through the partitioned rewrite: each shard plans from its local
+  shapes, no collective, results equal to the unsharded call."""
+  from jax.sharding import PartitionSpec as P
+  from jax_padsafe import _partitioning
+  from tests.test_sharding import collectives, compile_for, make_mesh, place
+
+  n, kh = heads
+  rng = np.random.default_rng(7 * n + kh)
+  b, t, s, h = 4, 1, 96, 16
+  q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((b, s, kh, h)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((b, s, kh, h)), jnp.float32)
+  runs = _packing.runs_from_lengths(jnp.array([1, 1, 0, 1], jnp.int32), jnp.array([96, 40, 7, 0], jnp.int32))
+  static = dict(max_seqlen_q=t, max_seqlen_k=s, scale=0.25, causal=True, bottom_right=True, window_left=-1,
+                window_right=-1, softcap=0.0, rows_covered=True)
+  rewrite = _split_kv.split_kv_to_runs(_standin)
+  assert _split_kv.plan(b // 2, t, n // (2 if kh > 1 else 1), max(kh // 2, 1), s).changes_call
+  expected = rewrite(q, k, v, *runs, **static)
+  unsplit = _partitioning.packed_to_runs(_standin)(q, k, v, *runs, **static)
+  for a, e in zip(expected, unsplit):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-6, atol=2e-6)
+  fn = _partitioning.partition_runs_forward(rewrite)
+  mesh = make_mesh((2, 2), ("data", "model"))
+  kv_heads = "model" if kh > 1 else None
+  specs = (P("data", None, "model"), P("data", None, kv_heads), P("data", None, kv_heads)) + (P("data"),) * 4
+  args = (q, k, v) + tuple(runs)
+  compiled, hlo = compile_for(lambda *a: fn(*a, **static), mesh, args, specs)
+  got = compiled(*[place(a, mesh, sp) for a, sp in zip(args, specs)])
+  assert collectives(hlo) == []
+  for a, e in zip(got, expected):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6, atol=1e-6)
