@@ -73,15 +73,16 @@ def _partitioned_kernel(kind: str):
 
   ``kind``: ``fwd_packed``/``bwd_packed`` (the varlen layout, heads shardable) or
   ``fwd_runs``/``bwd_runs`` (the padded layout as runs per batch row, see ``_packing``; batch and
-  heads shardable), or ``fwd_runs_split`` (the padded forward with few query rows rewritten by
-  ``_split_kv``: GQA heads packed into rows, keys split; same sharding as ``fwd_runs``).
+  heads shardable), or ``fwd_split_runs`` / ``fwd_split_packed``: those forwards for few query rows,
+  rewritten by ``_split_kv`` (GQA heads packed into rows, keys split), sharded the same way.
   """
   from jax_padsafe import _partitioning as P  # pylint: disable=g-import-not-at-top
   from jax_padsafe._cute import bwd_ops, ops  # pylint: disable=g-import-not-at-top
   return {
       "fwd_packed": lambda: P.partition_packed_forward(ops.flash_forward),
       "fwd_runs": lambda: P.partition_runs_forward(P.packed_to_runs(ops.flash_forward)),
-      "fwd_runs_split": lambda: P.partition_runs_forward(_split_kv.split_kv_to_runs(ops.flash_forward)),
+      "fwd_split_runs": lambda: P.partition_runs_forward(_split_kv.split_kv_to_runs(ops.flash_forward)),
+      "fwd_split_packed": lambda: P.partition_packed_forward(_split_kv.split_kv_packed(ops.flash_forward)),
       "bwd_packed": lambda: P.partition_packed_backward(bwd_ops.flash_backward),
       "bwd_runs": lambda: P.partition_runs_backward(
           P.packed_backward_to_runs(bwd_ops.flash_backward)),
@@ -154,9 +155,11 @@ def cute_forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_a
 
   def on_cuda(q, k, v):
     if spec.packed:  # canonical batch of one holding the packed rows
-      o, lse = _kernel_call("fwd_packed", static)(q[0], k[0], v[0], *_packed_args(kernel_args))
+      # Few query rows per sequence (decoding) are rewritten first: GQA heads packed into rows, keys split.
+      kind = "fwd_split_packed" if _split_kv.eligible(spec, spec.max_seqlen_q, kernel_args) else "fwd_packed"
+      o, lse = _kernel_call(kind, static)(q[0], k[0], v[0], *_packed_args(kernel_args))
       return o[None], lse[None]
-    kind = "fwd_runs_split" if _split_kv.eligible(spec, q.shape[1], kernel_args) else "fwd_runs"
+    kind = "fwd_split_runs" if _split_kv.eligible(spec, q.shape[1], kernel_args) else "fwd_runs"
     return _kernel_call(kind, static)(q, k, v, *_runs_args(kernel_args))
 
   def elsewhere(q, k, v):

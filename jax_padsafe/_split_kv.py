@@ -24,8 +24,10 @@ and for one query row with any mask: its position ``off`` (``kv_len - 1`` with b
 alignment, else 0) sees ``[off - left, off + right]`` (``right = 0`` when causal), which covers
 decoding with a KV cache, sliding-window layers included; the chunks then cover only the window.
 ``eligible`` checks that and that the rows come from lengths (one run per batch row starting at
-row 0, the ``dense_rows`` layout); the plan (``plan``) is made from the shapes the function is traced
-with, which under ``custom_partitioning`` are the local shard's. The backward is unchanged: it recomputes from q, k, v
+row 0, the ``dense_rows`` layout: ``split_kv_to_runs``) or from the packed layout (``split_kv_packed``:
+each sequence's query rows, at most ``max_seqlen_q``, are gathered into a dense block and the results
+scattered back); the plan (``plan``) is made from the shapes the function is traced with, which under
+``custom_partitioning`` are the local shard's. The backward is unchanged: it recomputes from q, k, v
 and the merged o and lse, which are the unsplit call's up to rounding.
 
 ``JAX_PADSAFE_SPLIT_KV=0`` turns the rewrite off (A/B measurements); it is read when a call is traced.
@@ -71,8 +73,9 @@ def enabled() -> bool:
 
 
 def eligible(spec, num_query_rows: int, kernel_args) -> bool:
-  """Whether the rewrite keeps this call's visibility (see the module docstring)."""
-  if not enabled() or spec.packed or not spec.dense_rows or kernel_args is None:
+  """Whether the rewrite keeps this call's visibility (see the module docstring): the packed layout, or
+  the padded one with lengths; ``num_query_rows`` is T, or ``max_seqlen_q`` for the packed layout."""
+  if not enabled() or kernel_args is None or not (spec.packed or spec.dense_rows):
     return False
   if "runs_exact" in kernel_args:  # segment ids: several runs per row
     return False
@@ -138,75 +141,127 @@ def merge_partials(o, lse):
   return out, jnp.where(empty, ninf, mx_safe + jnp.log(tot))
 
 
+def _rewritten_call(packed_fn, p: Plan, q, q_len, k, v, k_base, k_end, kv_len, static):
+  """The rewritten kernel call for dense query rows and keys in place.
+
+  Args:
+    packed_fn: the kernels' packed forward (``ops.flash_forward``'s signature).
+    p: the plan (``changes_call``).
+    q: ``[B, T, N, H]``; rows ``t < q_len[b]`` of batch row ``b`` are valid.
+    k, v: ``[total_k, K, H]``; sequence ``b``'s keys are rows ``k_base[b] + [0, kv_len[b])``, inside its
+      slot ``[k_base[b], k_end[b])`` (slots in order, not overlapping).
+    static: the call's static arguments (``flash_forward``'s keywords).
+
+  Returns:
+    ``o [B, T, N, H]`` (q's dtype) and ``lse [B, N, T]`` float32, padded rows exactly 0.
+  """
+  b, t, n, h = q.shape
+  nk = k.shape[1]
+  group = n // nk
+  kv_len = jnp.clip(kv_len, 0, k_end - k_base)
+  # The keys [lo, hi) of each sequence that its rows see (one row: around its position; see the
+  # module docstring), in the kernels' semantics: 0 <= j < kv_len and off - left <= j <= off + right.
+  lo, hi = jnp.zeros_like(kv_len), kv_len
+  if t == 1:
+    left, right = _row_range_bounds(static["causal"], static["window_left"], static["window_right"])
+    off = (kv_len - q_len) if static["bottom_right"] else jnp.zeros_like(kv_len)
+    if left is not None:
+      lo = jnp.clip(off - left, 0, kv_len)
+    if right is not None:
+      hi = jnp.clip(off + right + 1, lo, kv_len)
+  if p.pack:  # [B, T, K*G, H] -> [B, T*G, K, H]: row t*G + g of kv head k is query head k*G + g
+    q = q.reshape(b, t, nk, group, h).transpose(0, 1, 3, 2, 4).reshape(b, t * group, nk, h)
+    q_len = q_len * group
+  rows, heads = q.shape[1], q.shape[2]
+  splits, chunk = p.splits, p.chunk
+  # Sequence (b, c) of the rewritten call: the query rows of b again, and keys [lo + c*C, lo + (c+1)*C)
+  # of b, cut at hi, in place: it starts at row k_base[b] + lo + c*C of the buffer, or at k_base[b] + hi
+  # for an empty chunk, so the offsets never decrease and a chunk's used keys end where the next chunk
+  # starts (the last one's inside b's slot).
+  qs = jnp.broadcast_to(q[:, None], (b, splits) + q.shape[1:]).reshape(b * splits * rows, heads, h)
+  cu_q = jnp.arange(b * splits + 1, dtype=jnp.int32) * rows
+  lo, hi = lo.astype(jnp.int32)[:, None], hi.astype(jnp.int32)[:, None]
+  c0 = lo + jnp.arange(splits, dtype=jnp.int32)[None, :] * chunk
+  starts = k_base.astype(jnp.int32)[:, None] + jnp.minimum(c0, hi)
+  cu_k = jnp.concatenate([starts.reshape(-1), jnp.full((1,), k.shape[0], jnp.int32)])
+  used_q = jnp.repeat(q_len.astype(jnp.int32), splits)
+  used_k = jnp.clip(hi - c0, 0, chunk).reshape(-1)
+  call = dict(static, max_seqlen_q=rows, max_seqlen_k=chunk, causal=False, bottom_right=False,
+              window_left=-1, window_right=-1, rows_covered=True)
+  o, lse = packed_fn(qs, k, v, cu_q, cu_k, used_q, used_k, **call)
+  # o [B*P*R, heads, H] -> [P, B, R, heads, H]; lse [heads, B*P*R] -> [P, B, R, heads].
+  o = o.reshape(b, splits, rows, heads, o.shape[-1]).transpose(1, 0, 2, 3, 4)
+  lse = lse.reshape(heads, b, splits, rows).transpose(2, 1, 3, 0)
+  # Padded query rows report lse 0 from every chunk: for the merge they saw nothing.
+  valid = (jnp.arange(rows, dtype=jnp.int32)[None, :] < q_len[:, None])[None, :, :, None]
+  o, lse = merge_partials(o, jnp.where(valid, lse, _F32(-jnp.inf)))
+  # Padded rows: o exactly 0 and lse exactly 0 (the contract), by select.
+  o = jnp.where(valid[0][..., None], o, _F32(0)).astype(q.dtype)
+  lse = jnp.where(valid[0], lse, _F32(0))
+  if p.pack:  # [B, T*G, K, H] -> [B, T, K*G, H]; lse [B, T*G, K] -> [B, K*G, T]
+    o = o.reshape(b, t, group, nk, o.shape[-1]).transpose(0, 1, 3, 2, 4).reshape(b, t, n, o.shape[-1])
+    lse = lse.reshape(b, t, group, nk).transpose(0, 3, 2, 1).reshape(b, n, t)
+  else:
+    lse = lse.transpose(0, 2, 1)
+  return o, lse
+
+
+def _plan_for(static, batch, rows, heads, kv_heads, keys):
+  return plan(batch, rows, heads, kv_heads,
+              visible_keys(keys, rows, static["causal"], static["window_left"], static["window_right"]))
+
+
 def split_kv_to_runs(packed_fn):
   """A runs forward (``_partitioning.packed_to_runs``'s signature, the runs layout of ``_packing``) that
-  applies the plan.
+  applies the plan; calls it leaves unchanged go to ``packed_to_runs(packed_fn)``.
 
   Only for calls that ``eligible`` accepted: one run per batch row, starting at row 0.
   """
-  plain = None
+  from jax_padsafe import _partitioning  # pylint: disable=g-import-not-at-top
+  plain = _partitioning.packed_to_runs(packed_fn)
 
   @functools.wraps(packed_fn)
   def padded(q, k, v, q_start, q_used, k_start, k_used, **static):
-    nonlocal plain
     b, t, n, h = q.shape
     s, nk = k.shape[1], k.shape[2]
-    causal, br = static["causal"], static["bottom_right"]
-    wl, wr = static["window_left"], static["window_right"]
-    p = plan(b, t, n, nk, visible_keys(s, t, causal, wl, wr))
+    p = _plan_for(static, b, t, n, nk, s)
     if not p.changes_call or q_used.shape[1] != 1:
-      if plain is None:
-        from jax_padsafe import _partitioning  # pylint: disable=g-import-not-at-top
-        plain = _partitioning.packed_to_runs(packed_fn)
       return plain(q, k, v, q_start, q_used, k_start, k_used, **static)
-    group = n // nk
-    q_len, kv_len = jnp.clip(q_used[:, 0], 0, t), jnp.clip(k_used[:, 0], 0, s)
-    # The keys [lo, hi) of each sequence that its rows see (one row: around its position; see the
-    # module docstring), in the kernels' semantics: 0 <= j < kv_len and off - left <= j <= off + right.
-    lo, hi = jnp.zeros_like(kv_len), kv_len
-    if t == 1:
-      left, right = _row_range_bounds(causal, wl, wr)
-      off = (kv_len - q_len) if br else jnp.zeros_like(kv_len)
-      if left is not None:
-        lo = jnp.clip(off - left, 0, kv_len)
-      if right is not None:
-        hi = jnp.clip(off + right + 1, lo, kv_len)
-    if p.pack:  # [B, T, K*G, H] -> [B, T*G, K, H]: row t*G + g of kv head k is query head k*G + g
-      q = q.reshape(b, t, nk, group, h).transpose(0, 1, 3, 2, 4).reshape(b, t * group, nk, h)
-      q_len = q_len * group
-    rows, heads = q.shape[1], q.shape[2]
-    splits, chunk = p.splits, p.chunk
-    # Sequence (b, c) of the rewritten call: the query rows of b again, and keys [lo + c*C, lo + (c+1)*C)
-    # of b, cut at hi, in place: it starts at row b*S + lo + c*C of the buffer (which keeps its S rows per
-    # batch row), or at b*S + hi for an empty chunk, so the offsets never decrease and a chunk's used
-    # keys end where the next chunk starts.
-    qs = jnp.broadcast_to(q[:, None], (b, splits) + q.shape[1:]).reshape(b * splits * rows, heads, h)
-    cu_q = jnp.arange(b * splits + 1, dtype=jnp.int32) * rows
-    lo, hi = lo.astype(jnp.int32)[:, None], hi.astype(jnp.int32)[:, None]
-    c0 = lo + jnp.arange(splits, dtype=jnp.int32)[None, :] * chunk
-    starts = jnp.arange(b, dtype=jnp.int32)[:, None] * s + jnp.minimum(c0, hi)
-    cu_k = jnp.concatenate([starts.reshape(-1), jnp.full((1,), b * s, jnp.int32)])
-    used_q = jnp.repeat(q_len.astype(jnp.int32), splits)
-    used_k = jnp.clip(hi - c0, 0, chunk).reshape(-1)
-    call = dict(static, max_seqlen_q=rows, max_seqlen_k=chunk, causal=False, bottom_right=False,
-                window_left=-1, window_right=-1, rows_covered=True)
-    o, lse = packed_fn(qs, k.reshape(b * s, nk, h), v.reshape(b * s, nk, v.shape[-1]), cu_q, cu_k,
-                       used_q, used_k, **call)
-    # o [B*P*R, heads, H] -> [P, B, R, heads, H]; lse [heads, B*P*R] -> [P, B, R, heads].
-    o = o.reshape(b, splits, rows, heads, o.shape[-1]).transpose(1, 0, 2, 3, 4)
-    lse = lse.reshape(heads, b, splits, rows).transpose(2, 1, 3, 0)
-    # Padded query rows report lse 0 from every chunk: for the merge they saw nothing.
-    valid = (jnp.arange(rows, dtype=jnp.int32)[None, :] < q_len[:, None])[None, :, :, None]
-    o, lse = merge_partials(o, jnp.where(valid, lse, _F32(-jnp.inf)))
-    # Padded rows: o exactly 0 and lse exactly 0 (the contract), by select.
-    o = jnp.where(valid[0][..., None], o, _F32(0)).astype(q.dtype)
-    lse = jnp.where(valid[0], lse, _F32(0))
-    if p.pack:  # [B, T*G, K, H] -> [B, T, K*G, H]; lse [B, T*G, K] -> [B, K*G, T]
-      o = o.reshape(b, t, group, nk, o.shape[-1]).transpose(0, 1, 3, 2, 4).reshape(b, t, n, o.shape[-1])
-      lse = lse.reshape(b, t, group, nk).transpose(0, 3, 2, 1).reshape(b, n, t)
-    else:
-      lse = lse.transpose(0, 2, 1)
-    return o, lse
+    base = jnp.arange(b, dtype=jnp.int32) * s
+    return _rewritten_call(packed_fn, p, q, jnp.clip(q_used[:, 0], 0, t), k.reshape(b * s, nk, h),
+                           v.reshape(b * s, nk, v.shape[-1]), base, base + s, k_used[:, 0], static)
 
   return padded
 
+
+def split_kv_packed(packed_fn):
+  """A packed forward (``flash_forward``'s signature) that applies the plan to the packed layout: the
+  query rows of each sequence (at most ``max_seqlen_q``) are gathered into a dense ``[B, max_seqlen_q]``
+  block, and the results are scattered back (rows outside every sequence's used rows: exact zeros).
+  Calls the plan leaves unchanged go to ``packed_fn`` itself."""
+
+  @functools.wraps(packed_fn)
+  def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, **static):
+    total_q, n, h = q.shape
+    nk = k.shape[1]
+    b, rows = seqused_q.shape[0], int(static["max_seqlen_q"])
+    p = _plan_for(static, b, rows, n, nk, int(static["max_seqlen_k"]))
+    if not p.changes_call or b == 0 or total_q == 0:
+      return packed_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, **static)
+    cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
+    q_len = jnp.clip(seqused_q, 0, jnp.minimum(cu_q[1:] - cu_q[:-1], rows))
+    r = jnp.arange(rows, dtype=jnp.int32)[None, :]
+    row_of = cu_q[:-1, None] + r  # [B, R]: where sequence b's row r lives in the packed buffer
+    used = r < q_len[:, None]
+    # Rows past a sequence's used rows are padding of the rewritten call: any in-bounds row will do.
+    qd = q[jnp.clip(row_of, 0, total_q - 1)]
+    o, lse = _rewritten_call(packed_fn, p, qd, q_len, k, v, cu_k[:-1], cu_k[1:], seqused_k, static)
+    # Back to the packed rows: each used row once; the rest (and rows of no sequence) stay exactly 0.
+    dest = jnp.where(used, row_of, total_q).reshape(-1)
+    o_packed = jnp.zeros((total_q, n, o.shape[-1]), o.dtype).at[dest].set(
+        o.reshape(b * rows, n, o.shape[-1]), mode="drop")
+    lse_packed = jnp.zeros((n, total_q), jnp.float32).at[:, dest].set(
+        lse.transpose(1, 0, 2).reshape(n, b * rows), mode="drop")
+    return o_packed, lse_packed
+
+  return packed

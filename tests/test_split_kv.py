@@ -137,7 +137,10 @@ def test_eligible():
   assert not _split_kv.eligible(_spec(causal=True, bottom_right=True), 2, runs)
   assert not _split_kv.eligible(_spec(window_left=8), 3, runs)
   assert not _split_kv.eligible(_spec(dense_rows=False), 1, runs)
-  assert not _split_kv.eligible(_spec(packed=True), 1, runs)
+  packed = dict(cu_seqlens_q=0, cu_seqlens_k=0, seqused_q=0, seqused_k=0)
+  assert _split_kv.eligible(_spec(packed=True, dense_rows=False), 1, packed)
+  assert _split_kv.eligible(_spec(packed=True, dense_rows=False, causal=True, bottom_right=True), 1, packed)
+  assert not _split_kv.eligible(_spec(packed=True, dense_rows=False, causal=True), 2, packed)
   assert not _split_kv.eligible(_spec(), 1, dict(runs, runs_exact=True))  # segment ids
   assert not _split_kv.eligible(_spec(), 1, None)
 
@@ -262,3 +265,91 @@ def test_sharded_decode_runs_shard_local(small_tiles, heads):
   assert collectives(hlo) == []
   for a, e in zip(got, expected):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6, atol=1e-6)
+
+
+PACKED_CASES = [  # caps_q, used_q, caps_k, used_k, extra problem fields: the packed layout (varlen decoding)
+    ([1, 1, 1, 1], [1, 0, 1, 1], [40, 50, 30, 64], [40, 17, 0, 64], dict(causal=True, bottom_right=True)),
+    ([2, 3], [2, 1], [33, 70], [30, 70], dict(softcap=5.0)),
+    ([1, 1, 1], [1, 1, 1], [90, 20, 64], [90, 20, 3], dict(causal=True, bottom_right=True, window=(17, None))),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PACKED_CASES)))
+def test_packed_rewrite_keeps_the_contract(small_tiles, case):
+  from tests.test_varlen import build, packed_from_padded
+
+  caps_q, used_q, caps_k, used_k, extra = PACKED_CASES[case]
+  rng = np.random.default_rng(300 + case)
+  d = build(rng, caps_q, used_q, caps_k, used_k, n=8, k=2, h=16, **extra)
+  p = d["problem"]
+  wl, wr = (-1 if w is None else w for w in (p.window or (None, None)))
+  static = dict(max_seqlen_q=max(caps_q), max_seqlen_k=max(caps_k), scale=16 ** -0.5, causal=p.causal,
+                bottom_right=p.bottom_right, window_left=wl, window_right=wr, softcap=p.softcap or 0.0,
+                rows_covered=False)
+  assert _split_kv._plan_for(static, len(caps_q), max(caps_q), 8, 2, max(caps_k)).changes_call
+  rewrite = _split_kv.split_kv_packed(_standin)
+  cu_q, cu_k = jnp.asarray(d["cu_q"]), jnp.asarray(d["cu_k"])
+  uq, uk = jnp.asarray(d["used_q"], jnp.int32), jnp.asarray(d["used_k"], jnp.int32)
+  fn = jax.jit(lambda q, k, v: rewrite(q, k, v, cu_q, cu_k, uq, uk, **static))
+  total_q, total_k = len(d["valid_q"]), len(d["valid_k"])
+  ref = oracle.reference(p)
+  ref = dict(out=packed_from_padded(ref["out"], d["cu_q"], d["used_q"], total_q),
+             lse=packed_from_padded(ref["lse"].transpose(0, 2, 1), d["cu_q"], d["used_q"], total_q).T)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    def run(poison):
+      qv, kv = d["valid_q"][None], d["valid_k"][None]
+      args = [jnp.asarray(helpers.poison_rows(d[x][None], val, poison, rng)[0], dtype)
+              for x, val in (("q", qv), ("k", kv), ("v", kv))]
+      return dict(zip(("out", "lse"), (np.asarray(a) for a in fn(*args))))
+    base = run("zero")
+    naive = {}
+    if dtype != jnp.float32:
+      nv = helpers.naive_lowp(p, dtype, np.zeros(p.q.shape), np.zeros((p.q.shape[0], 8, p.q.shape[1])))
+      naive = dict(out=packed_from_padded(nv["out"], d["cu_q"], d["used_q"], total_q),
+                   lse=packed_from_padded(nv["lse"].transpose(0, 2, 1), d["cu_q"], d["used_q"], total_q).T)
+    helpers.assert_close_to_oracle(base, ref, naive, dtype, ["out", "lse"])
+    assert np.all(base["out"][~d["valid_q"]] == 0) and np.all(base["lse"][:, ~d["valid_q"]] == 0)
+    for poison in helpers.POISONS:
+      got = run(poison)
+      for name in ("out", "lse"):
+        helpers.assert_bitwise_equal(got[name], base[name], f"packed {name} with {poison}")
+
+
+@pytest.mark.usefixtures("kernels_built")
+def test_packed_decode_lowering():
+  """varlen_attention with one query row per sequence: one kernel call on the packed-and-split layout."""
+  b, n, kh, total_k = 4, 32, 8, 40000
+  q = jax.ShapeDtypeStruct((b, n, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((total_k, kh, 128), jnp.bfloat16)
+  cu = jax.ShapeDtypeStruct((b + 1,), jnp.int32)
+  f = lambda q, k, v, cu_q, cu_k: jax_padsafe.varlen_attention(
+      q, k, v, cu_q, cu_k, max_seqlen_q=1, max_seqlen_k=16384, is_causal=True, causal_alignment="bottom_right",
+      implementation="cute")
+  text = jax.jit(f).trace(q, k, k, cu, cu).lower(lowering_platforms=("cuda",)).as_text()
+  calls = _fwd_calls(text)
+  plan = _split_kv.plan(b, 1, n, kh, 16384)
+  assert plan.pack and plan.splits > 1 and len(calls) == 1
+  assert calls[0][2].split(",")[0].strip() == f"tensor<{b * plan.splits * 4}x8x128xbf16>"
+  assert "causal = 0 : i32" in calls[0][1]
+
+
+PACKED_DECODE_CASES = [  # caps_q, used_q, caps_k, used_k, extra: real tiles (GPU: the kernels run the rewrite)
+    ([1, 1, 1, 1], [1, 0, 1, 1], [3000, 2000, 1200, 2600], [2999, 1000, 0, 2600], dict(causal=True, bottom_right=True)),
+    ([2, 3], [2, 3], [1700, 2500], [1700, 1111], {}),
+    ([1, 1, 1], [1, 1, 1], [4000, 900, 3100], [4000, 900, 3100], dict(causal=True, bottom_right=True, window=(700, None))),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PACKED_DECODE_CASES)))
+def test_packed_decode_contract(impl, case):
+  """The whole packed-layout contract (gradients included) on decode shapes through varlen_attention."""
+  from tests.test_varlen import build, check_packed
+
+  caps_q, used_q, caps_k, used_k, extra = PACKED_DECODE_CASES[case]
+  rng = np.random.default_rng(400 + case)
+  d = build(rng, caps_q, used_q, caps_k, used_k, n=8, k=2, h=128, **extra)
+  p = d["problem"]
+  wl, wr = (-1 if w is None else w for w in (p.window or (None, None)))
+  static = dict(causal=p.causal, window_left=wl, window_right=wr)
+  assert _split_kv._plan_for(static, len(caps_q), max(caps_q), 8, 2, max(caps_k)).changes_call
+  check_packed(d, helpers.dtype_for(impl, jnp.float32), impl, rng)
