@@ -44,9 +44,19 @@ def bench(fn, *args, iters=20):
     return float(np.median(ts))
 
 
-def make_fn(impl, window=None):
+def padsafe_mask(mode):
+    """jax_padsafe keywords of a case's mask: none; "causal" (bottom-right: speculative decoding); or
+    "window<W>" (a sliding-window layer's decode step: the new row sees the last W + 1 keys of its cache)."""
+    if mode == "causal":
+        return dict(is_causal=True, causal_alignment="bottom_right")
+    if mode:
+        return dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(int(mode[6:]), 0))
+    return {}
+
+
+def make_fn(impl, mode=None):
+    kw = padsafe_mask(mode)
     if impl == "cute_varlen":  # the same cache through the packed layout (varlen_attention)
-        kw = dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(window, 0)) if window else {}
 
         def varlen(q, k, v, lq, lk):
             b, t, n, h = q.shape
@@ -60,8 +70,6 @@ def make_fn(impl, window=None):
         return jax.jit(varlen)
     if impl in ("cute", "padsafe_xla"):
         which = "cute" if impl == "cute" else "xla"
-        # A sliding-window layer's decode step: the new row sees the last window + 1 keys of its cache.
-        kw = dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(window, 0)) if window else {}
         return jax.jit(lambda q, k, v, lq, lk: jax_padsafe.dot_product_attention(
             q, k, v, query_seq_lengths=lq, key_value_seq_lengths=lk, implementation=which, **kw))
     return jax.jit(lambda q, k, v, lq, lk: jax.nn.dot_product_attention(
@@ -79,16 +87,17 @@ def main():
         _split_kv._ONE_WAVE, _split_kv._TARGET_TILES = (int(x) for x in a.split_tiles.split(","))
     dev = jax.devices()[0].device_kind
     N, H = 32, 128
-    # (batch, query rows, cache length, kv heads[, sliding window]): GQA 4 unless kv heads say otherwise
-    # (32: MHA).  The window case has no jax.nn counterpart (its causal masks are top-left only): its
+    # (batch, query rows, cache length, kv heads[, mask]): GQA 4 unless kv heads say otherwise (32: MHA).
+    # Masked cases have no jax.nn counterpart (its causal masks are top-left only); the window case's
     # valid K/V bytes count only the window's keys.
     cases = [(1, 1, 8192, 8), (8, 1, 8192, 8), (32, 1, 4096, 8), (4, 1, 32768, 8), (1, 1, 131072, 8),
-             (8, 4, 8192, 8), (8, 1, 8192, 32), (4, 1, 131072, 8, 4095)]
+             (8, 4, 8192, 8), (8, 4, 8192, 8, "causal"), (8, 1, 8192, 32), (4, 1, 131072, 8, "window4095")]
     if a.quick:
         cases = cases[:2]
     rows = []
-    for B, T, S, K, *window in cases:
-        window = window[0] if window else None
+    for B, T, S, K, *mode in cases:
+        mode = mode[0] if mode else None
+        window = int(mode[6:]) if mode and mode.startswith("window") else None
         ks = [jax.random.fold_in(jax.random.PRNGKey(1), i) for i in range(3)]
         q = jax.random.normal(ks[0], (B, T, N, H), jnp.bfloat16)
         k = jax.random.normal(ks[1], (B, S, K, H), jnp.bfloat16)
@@ -97,27 +106,27 @@ def main():
         lq, lk = jnp.full((B,), T, jnp.int32), jnp.asarray(lens)
         seen = np.minimum(lens, window + 1) if window else lens
         kv_bytes = 2 * int(seen.sum()) * K * H * 2
-        row = dict(batch=B, q_rows=T, cache=S, heads=N, kv_heads=K, head_dim=H, window=window, kv_gb=kv_bytes / 1e9)
+        row = dict(batch=B, q_rows=T, cache=S, heads=N, kv_heads=K, head_dim=H, mask=mode, kv_gb=kv_bytes / 1e9)
         for impl in a.impls.split(","):
-            if ((impl == "xla" and B * N * T * S > 2 ** 31) or (window and impl in ("cudnn", "xla"))
+            if ((impl == "xla" and B * N * T * S > 2 ** 31) or (mode and impl in ("cudnn", "xla"))
                     or (impl == "padsafe_xla" and S > 32768)):
                 row[impl] = None
                 continue
             try:
-                row[impl] = bench(make_fn(impl, window), q, k, v, lq, lk)
+                row[impl] = bench(make_fn(impl, mode), q, k, v, lq, lk)
             except Exception as e:  # an implementation that does not take this shape
                 print(f"  {impl} B={B} T={T} S={S}: {type(e).__name__}: {str(e)[:160]}")
                 row[impl] = None
         rows.append(row)
     impls = a.impls.split(",")
     print(f"\ndecode attention on {dev}: microseconds per call (valid K/V TB/s); bf16, hd{H}, {N} q heads")
-    print(f"{'B':>3} {'T':>3} {'S':>7} {'K':>3} {'window':>6} | " + " | ".join(f"{i:>17}" for i in impls))
+    print(f"{'B':>3} {'T':>3} {'S':>7} {'K':>3} {'mask':>10} | " + " | ".join(f"{i:>17}" for i in impls))
     for r in rows:
         cells = []
         for i in impls:
             t = r.get(i)
             cells.append(f"{t * 1e6:9.1f} ({r['kv_gb'] / 1e3 / t:4.2f})" if t else f"{'-':>17}")
-        print(f"{r['batch']:>3} {r['q_rows']:>3} {r['cache']:>7} {r['kv_heads']:>3} {r['window'] or '-':>6} | "
+        print(f"{r['batch']:>3} {r['q_rows']:>3} {r['cache']:>7} {r['kv_heads']:>3} {r['mask'] or '-':>10} | "
               + " | ".join(cells))
     with open(a.out, "w") as f:
         json.dump(dict(device=dev, jax=jax.__version__, split_kv=_split_kv.enabled(),

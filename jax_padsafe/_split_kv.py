@@ -23,6 +23,10 @@ without causal masking or a window. That holds without causal masking or a windo
 and for one query row with any mask: its position ``off`` (``kv_len - 1`` with bottom-right
 alignment, else 0) sees ``[off - left, off + right]`` (``right = 0`` when causal), which covers
 decoding with a KV cache, sliding-window layers included; the chunks then cover only the window.
+Several rows with bottom-right causal masking (speculative decoding, small prefill chunks) all see the
+keys before ``kv_len - q_len + 1``: those are split as above, and the last ``q_len - 1`` keys (the
+diagonal) go to one more kernel call with causal masking in the same alignment, unpacked, whose result
+is merged like a chunk's.
 ``eligible`` checks that and that the rows come from lengths (one run per batch row starting at
 row 0, the ``dense_rows`` layout: ``split_kv_to_runs``) or from the packed layout (``split_kv_packed``:
 each sequence's query rows, at most ``max_seqlen_q``, are gathered into a dense block and the results
@@ -79,7 +83,11 @@ def eligible(spec, num_query_rows: int, kernel_args) -> bool:
     return False
   if "runs_exact" in kernel_args:  # segment ids: several runs per row
     return False
-  return num_query_rows == 1 or not (spec.causal or spec.has_window)
+  if num_query_rows == 1 or not (spec.causal or spec.has_window):
+    return True
+  # Several rows with bottom-right causal masking (speculative decoding, chunked prefill): the keys
+  # before the diagonal are split, the diagonal is one more small causal call.
+  return spec.causal and spec.bottom_right and not spec.has_window
 
 
 def _row_range_bounds(causal: bool, window_left: int, window_right: int):
@@ -142,7 +150,7 @@ def merge_partials(o, lse):
 
 
 def _rewritten_call(packed_fn, p: Plan, q, q_len, k, v, k_base, k_end, kv_len, static):
-  """The rewritten kernel call for dense query rows and keys in place.
+  """The rewritten kernel call(s) for dense query rows and keys in place.
 
   Args:
     packed_fn: the kernels' packed forward (``ops.flash_forward``'s signature).
@@ -155,20 +163,48 @@ def _rewritten_call(packed_fn, p: Plan, q, q_len, k, v, k_base, k_end, kv_len, s
   Returns:
     ``o [B, T, N, H]`` (q's dtype) and ``lse [B, N, T]`` float32, padded rows exactly 0.
   """
-  b, t, n, h = q.shape
-  nk = k.shape[1]
-  group = n // nk
+  b, t = q.shape[:2]
   kv_len = jnp.clip(kv_len, 0, k_end - k_base)
-  # The keys [lo, hi) of each sequence that its rows see (one row: around its position; see the
-  # module docstring), in the kernels' semantics: 0 <= j < kv_len and off - left <= j <= off + right.
+  causal, br = static["causal"], static["bottom_right"]
+  # The keys [lo, hi) that every valid row of a sequence sees whole (see the module docstring), in the
+  # kernels' semantics: 0 <= j < kv_len and i + off - left <= j <= i + off + right.
   lo, hi = jnp.zeros_like(kv_len), kv_len
+  diagonal = False
   if t == 1:
-    left, right = _row_range_bounds(static["causal"], static["window_left"], static["window_right"])
-    off = (kv_len - q_len) if static["bottom_right"] else jnp.zeros_like(kv_len)
+    left, right = _row_range_bounds(causal, static["window_left"], static["window_right"])
+    off = (kv_len - q_len) if br else jnp.zeros_like(kv_len)
     if left is not None:
       lo = jnp.clip(off - left, 0, kv_len)
     if right is not None:
       hi = jnp.clip(off + right + 1, lo, kv_len)
+  elif causal:
+    # Several rows, causal, bottom-right (``eligible``): row t sees j <= kv_len - q_len + t. Every row
+    # sees the keys before kv_len - q_len + 1; the last q_len - 1 keys form the diagonal, one more
+    # kernel call with causal masking in the same alignment.
+    hi = jnp.clip(kv_len - q_len + 1, 0, kv_len)
+    diagonal = True
+  o, lse = _chunked_partial(packed_fn, p, q, q_len, k, v, k_base, lo, hi, static)
+  if diagonal:
+    o_d, lse_d = _diagonal_partial(packed_fn, q, q_len, k, v, k_base, hi, kv_len, static)
+    o, lse = merge_partials(jnp.stack([o, o_d]), jnp.stack([lse, lse_d]))
+  # Padded rows: o exactly 0 and lse exactly 0 (the contract), by select.
+  valid = (jnp.arange(t, dtype=jnp.int32)[None, :] < q_len[:, None])[:, :, None]  # [B, T, 1]
+  o = jnp.where(valid[..., None], o, _F32(0)).astype(q.dtype)
+  lse = jnp.where(valid, lse, _F32(0)).transpose(0, 2, 1)
+  return o, lse
+
+
+def _valid_rows(rows, q_len):
+  return jnp.arange(rows, dtype=jnp.int32)[None, :] < q_len[:, None]  # [B, rows]
+
+
+def _chunked_partial(packed_fn, p: Plan, q, q_len, k, v, k_base, lo, hi, static):
+  """Attention of every row to keys ``[lo, hi)`` of its sequence (no mask), in the plan's chunks, with
+  GQA packing per the plan: ``(o [B, T, N, H] float32, lse [B, T, N])``, lse ``-inf`` for rows that saw
+  nothing, padded rows included."""
+  b, t, n, h = q.shape
+  nk = k.shape[1]
+  group = n // nk
   if p.pack:  # [B, T, K*G, H] -> [B, T*G, K, H]: row t*G + g of kv head k is query head k*G + g
     q = q.reshape(b, t, nk, group, h).transpose(0, 1, 3, 2, 4).reshape(b, t * group, nk, h)
     q_len = q_len * group
@@ -193,17 +229,31 @@ def _rewritten_call(packed_fn, p: Plan, q, q_len, k, v, k_base, k_end, kv_len, s
   o = o.reshape(b, splits, rows, heads, o.shape[-1]).transpose(1, 0, 2, 3, 4)
   lse = lse.reshape(heads, b, splits, rows).transpose(2, 1, 3, 0)
   # Padded query rows report lse 0 from every chunk: for the merge they saw nothing.
-  valid = (jnp.arange(rows, dtype=jnp.int32)[None, :] < q_len[:, None])[None, :, :, None]
-  o, lse = merge_partials(o, jnp.where(valid, lse, _F32(-jnp.inf)))
-  # Padded rows: o exactly 0 and lse exactly 0 (the contract), by select.
-  o = jnp.where(valid[0][..., None], o, _F32(0)).astype(q.dtype)
-  lse = jnp.where(valid[0], lse, _F32(0))
-  if p.pack:  # [B, T*G, K, H] -> [B, T, K*G, H]; lse [B, T*G, K] -> [B, K*G, T]
+  lse = jnp.where(_valid_rows(rows, q_len)[None, :, :, None], lse, _F32(-jnp.inf))
+  o, lse = merge_partials(o, lse)
+  if p.pack:  # [B, T*G, K, H] -> [B, T, K*G, H]; lse [B, T*G, K] -> [B, T, K*G]
     o = o.reshape(b, t, group, nk, o.shape[-1]).transpose(0, 1, 3, 2, 4).reshape(b, t, n, o.shape[-1])
-    lse = lse.reshape(b, t, group, nk).transpose(0, 3, 2, 1).reshape(b, n, t)
-  else:
-    lse = lse.transpose(0, 2, 1)
+    lse = lse.reshape(b, t, group, nk).transpose(0, 1, 3, 2).reshape(b, t, n)
   return o, lse
+
+
+def _diagonal_partial(packed_fn, q, q_len, k, v, k_base, d0, kv_len, static):
+  """Attention of the rows to the diagonal keys ``[d0, kv_len)`` of their sequence (causal, bottom-right:
+  row t sees up to key kv_len - q_len + t, so in the diagonal's own coordinates the offset is its length
+  minus q_len, which is what the kernels' bottom-right alignment computes); one kernel call, no packing
+  (the mask depends on the row). ``(o [B, T, N, H] float32, lse [B, T, N])``, lse ``-inf`` where a row
+  saw nothing."""
+  b, t, n, h = q.shape
+  cu_q = jnp.arange(b + 1, dtype=jnp.int32) * t
+  starts = k_base.astype(jnp.int32) + d0.astype(jnp.int32)
+  cu_k = jnp.concatenate([starts, jnp.full((1,), k.shape[0], jnp.int32)])
+  call = dict(static, max_seqlen_q=t, max_seqlen_k=t, causal=True, bottom_right=True, window_left=-1,
+              window_right=-1, rows_covered=True)
+  o, lse = packed_fn(q.reshape(b * t, n, h), k, v, cu_q, cu_k, q_len.astype(jnp.int32),
+                     (kv_len - d0).astype(jnp.int32), **call)
+  lse = lse.reshape(n, b, t).transpose(1, 2, 0)
+  lse = jnp.where(_valid_rows(t, q_len)[:, :, None], lse, _F32(-jnp.inf))
+  return o.reshape(b, t, n, o.shape[-1]).astype(_F32), lse
 
 
 def _plan_for(static, batch, rows, heads, kv_heads, keys):

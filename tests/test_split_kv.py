@@ -60,6 +60,9 @@ CASES = [  # (b, t, n, kh, s, q_len, kv_len, extra problem fields)
     (2, 1, 4, 2, 70, [1, 1], [70, 41], dict(bottom_right=True, window=(30, 5))),
     (2, 1, 4, 4, 70, [1, 1], [70, 0], dict(window=(None, 33))),                # top-left: row 0 sees [0, 33]
     (2, 1, 4, 1, 64, [1, 0], [64, 64], dict(causal=True)),                     # top-left causal: key 0 only
+    # Several rows, bottom-right causal: the keys before the diagonal split, the diagonal a call of its own.
+    (3, 2, 8, 2, 80, [2, 1, 2], [80, 33, 1], dict(causal=True, bottom_right=True)),  # kv_len < q_len: row 0 empty
+    (2, 5, 4, 4, 90, [5, 3], [90, 2], dict(causal=True, bottom_right=True, softcap=9.0)),
 ]
 
 
@@ -133,9 +136,12 @@ def test_eligible():
   assert _split_kv.eligible(_spec(causal=True, bottom_right=True), 1, runs)
   assert _split_kv.eligible(_spec(causal=True), 1, runs)
   assert _split_kv.eligible(_spec(window_left=8, causal=True, bottom_right=True), 1, runs)
-  # Several rows: only without causal masking or a window (no diagonal to keep).
-  assert not _split_kv.eligible(_spec(causal=True, bottom_right=True), 2, runs)
+  # Several rows: without causal masking or a window, or with bottom-right causal masking (the diagonal
+  # becomes a call of its own); not top-left causal (a diagonal at the start) or a window.
+  assert _split_kv.eligible(_spec(causal=True, bottom_right=True), 2, runs)
+  assert not _split_kv.eligible(_spec(causal=True), 2, runs)
   assert not _split_kv.eligible(_spec(window_left=8), 3, runs)
+  assert not _split_kv.eligible(_spec(window_left=8, causal=True, bottom_right=True), 3, runs)
   assert not _split_kv.eligible(_spec(dense_rows=False), 1, runs)
   packed = dict(cu_seqlens_q=0, cu_seqlens_k=0, seqused_q=0, seqused_k=0)
   assert _split_kv.eligible(_spec(packed=True, dense_rows=False), 1, packed)
@@ -184,11 +190,26 @@ def test_decode_lowering_is_one_rewritten_kernel_call():
 def test_prefill_and_masked_rows_lowering_unchanged():
   for kw, shape in [(dict(), (2, 512, 32, 8, 512)),  # prefill: more than one tile per (sequence, head)
                     (dict(local_window_size=(64, 0)), (2, 2, 32, 8, 16384)),  # two rows and a window
-                    (dict(is_causal=True, causal_alignment="bottom_right"), (2, 4, 32, 8, 16384))]:
+                    (dict(is_causal=True), (2, 4, 32, 8, 16384))]:  # top-left causal: a diagonal at the start
     b, t, n, kh, s = shape
     calls = _fwd_calls(_lower_decode(b, t, n, kh, s, **kw))
     assert len(calls) == 1
     assert calls[0][2].split(",")[0].strip() == f"tensor<{b * t}x{n}x128xbf16>", kw
+
+
+@pytest.mark.usefixtures("kernels_built")
+def test_speculative_decode_lowering():
+  """4 rows, bottom-right causal: the keys before the diagonal packed and split (no mask), the diagonal one
+  more unpacked causal call."""
+  plan = _split_kv.plan(2, 4, 32, 8, 16384)
+  calls = _fwd_calls(_lower_decode(2, 4, 32, 8, 16384, is_causal=True, causal_alignment="bottom_right"))
+  assert plan.pack and plan.splits > 1 and len(calls) == 2
+  shapes = sorted(c[2].split(",")[0].strip() for c in calls)
+  assert shapes == sorted([f"tensor<{2 * plan.splits * 16}x8x128xbf16>", "tensor<8x32x128xbf16>"])
+  by_rows = {c[2].split(",")[0].strip(): c[1] for c in calls}
+  assert "causal = 0 : i32" in by_rows[f"tensor<{2 * plan.splits * 16}x8x128xbf16>"]
+  diag = by_rows["tensor<8x32x128xbf16>"]
+  assert "causal = 1 : i32" in diag and "bottom_right = 1 : i32" in diag, diag
 
 
 @pytest.mark.usefixtures("kernels_built")
@@ -211,6 +232,7 @@ DECODE_CASES = [  # (b, t, n, kh, h, s, dtype, extra problem fields): shapes the
     # sliding-window decode (the chunks split the window) and a one-row top-left window
     (3, 1, 8, 2, 128, 6000, jnp.bfloat16, dict(causal=True, bottom_right=True, window=(1500, None))),
     (2, 1, 4, 4, 64, 3000, jnp.float16, dict(window=(None, 700))),
+    (3, 4, 8, 2, 128, 3000, jnp.bfloat16, dict(causal=True, bottom_right=True)),  # speculative decoding: 4 rows
 ]
 
 
@@ -271,6 +293,7 @@ PACKED_CASES = [  # caps_q, used_q, caps_k, used_k, extra problem fields: the pa
     ([1, 1, 1, 1], [1, 0, 1, 1], [40, 50, 30, 64], [40, 17, 0, 64], dict(causal=True, bottom_right=True)),
     ([2, 3], [2, 1], [33, 70], [30, 70], dict(softcap=5.0)),
     ([1, 1, 1], [1, 1, 1], [90, 20, 64], [90, 20, 3], dict(causal=True, bottom_right=True, window=(17, None))),
+    ([3, 2], [3, 1], [70, 60], [70, 2], dict(causal=True, bottom_right=True)),
 ]
 
 
@@ -337,6 +360,7 @@ PACKED_DECODE_CASES = [  # caps_q, used_q, caps_k, used_k, extra: real tiles (GP
     ([1, 1, 1, 1], [1, 0, 1, 1], [3000, 2000, 1200, 2600], [2999, 1000, 0, 2600], dict(causal=True, bottom_right=True)),
     ([2, 3], [2, 3], [1700, 2500], [1700, 1111], {}),
     ([1, 1, 1], [1, 1, 1], [4000, 900, 3100], [4000, 900, 3100], dict(causal=True, bottom_right=True, window=(700, None))),
+    ([4, 3], [4, 3], [2500, 1900], [2500, 2], dict(causal=True, bottom_right=True)),
 ]
 
 
