@@ -34,7 +34,8 @@ scattered back); the plan (``plan``) is made from the shapes the function is tra
 ``custom_partitioning`` are the local shard's. The backward is unchanged: it recomputes from q, k, v
 and the merged o and lse, which are the unsplit call's up to rounding.
 
-``JAX_PADSAFE_SPLIT_KV=0`` turns the rewrite off (A/B measurements); it is read when a call is traced.
+``JAX_PADSAFE_SPLIT_KV=0`` turns the rewrite off (A/B measurements); it is read when a call is traced
+(jax_padsafe caches traced calls, so it must be set before a process's first call).
 """
 
 from __future__ import annotations
