@@ -20,7 +20,6 @@ TARGET).
 import argparse
 import json
 import os
-import time
 
 import numpy as np
 
@@ -29,19 +28,19 @@ import jax.numpy as jnp
 
 import jax_padsafe
 from jax_padsafe import _split_kv
+from bench_forward import bench  # the benchmarks' one timing rule
+
+N, H = 32, 128  # query heads, head dim
 
 
-def bench(fn, *args, iters=20):
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(iters):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        ts.append((time.perf_counter() - t) / iters)
-    return float(np.median(ts))
+def make_inputs(B, T, S, K):
+    """q [B, T, N, H], k / v [B, S, K, H] (bf16), query lengths T and cache lengths random in [S/2, S]."""
+    ks = [jax.random.fold_in(jax.random.PRNGKey(1), i) for i in range(3)]
+    q = jax.random.normal(ks[0], (B, T, N, H), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (B, S, K, H), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, S, K, H), jnp.bfloat16)
+    lens = np.random.default_rng(0).integers(S // 2, S + 1, B).astype(np.int32)
+    return q, k, v, jnp.full((B,), T, jnp.int32), jnp.asarray(lens), lens
 
 
 def padsafe_mask(mode):
@@ -86,7 +85,6 @@ def main():
     if a.split_tiles:
         _split_kv._ONE_WAVE, _split_kv._TARGET_TILES = (int(x) for x in a.split_tiles.split(","))
     dev = jax.devices()[0].device_kind
-    N, H = 32, 128
     # (batch, query rows, cache length, kv heads[, mask]): GQA 4 unless kv heads say otherwise (32: MHA).
     # Masked cases have no jax.nn counterpart (its causal masks are top-left only); the window case's
     # valid K/V bytes count only the window's keys.
@@ -98,12 +96,7 @@ def main():
     for B, T, S, K, *mode in cases:
         mode = mode[0] if mode else None
         window = int(mode[6:]) if mode and mode.startswith("window") else None
-        ks = [jax.random.fold_in(jax.random.PRNGKey(1), i) for i in range(3)]
-        q = jax.random.normal(ks[0], (B, T, N, H), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (B, S, K, H), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (B, S, K, H), jnp.bfloat16)
-        lens = np.random.default_rng(0).integers(S // 2, S + 1, B).astype(np.int32)
-        lq, lk = jnp.full((B,), T, jnp.int32), jnp.asarray(lens)
+        q, k, v, lq, lk, lens = make_inputs(B, T, S, K)
         seen = np.minimum(lens, window + 1) if window else lens
         kv_bytes = 2 * int(seen.sum()) * K * H * 2
         row = dict(batch=B, q_rows=T, cache=S, heads=N, kv_heads=K, head_dim=H, mask=mode, kv_gb=kv_bytes / 1e9)
@@ -113,7 +106,7 @@ def main():
                 row[impl] = None
                 continue
             try:
-                row[impl] = bench(make_fn(impl, mode), q, k, v, lq, lk)
+                row[impl] = bench(make_fn(impl, mode), q, k, v, lq, lk, iters=20)
             except Exception as e:  # an implementation that does not take this shape
                 print(f"  {impl} B={B} T={T} S={S}: {type(e).__name__}: {str(e)[:160]}")
                 row[impl] = None

@@ -13,12 +13,12 @@
 #include <array>
 #include <atomic>
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
 
 #include "jps_bwd_args.h"
+#include "jps_log_variant.h"
 #include "jps_bwd_registry.h"  // generated: kJpsBwdVariants, kJpsNumBwdVariants
 #include "xla/ffi/api/ffi.h"
 
@@ -75,24 +75,6 @@ ffi::Error BwdInitialize(ffi::RemainingArgs, ffi::RemainingRets) {
 }
 
 ffi::Error Invalid(const std::string &msg) { return ffi::Error::InvalidArgument("jax_padsafe_bwd: " + msg); }
-
-// JAX_PADSAFE_LOG_KERNELS=1: print each backward variant's name to stderr the first time this process
-// launches it (as the forward handler does).
-void LogVariantOnce(const JpsBwdVariant *var) {
-  static const bool on = [] {
-    const char *e = std::getenv("JAX_PADSAFE_LOG_KERNELS");
-    return e && e[0] == '1';
-  }();
-  if (!on) return;
-  static std::mutex mu;
-  static std::array<bool, 4096> seen{};
-  const int idx = int(var - kJpsBwdVariants);
-  std::lock_guard<std::mutex> lock(mu);
-  if (idx >= 0 && idx < int(seen.size()) && !seen[idx]) {
-    seen[idx] = true;
-    std::fprintf(stderr, "jax_padsafe: backward kernels %s\n", var->name);
-  }
-}
 
 // The fused-dQ family (2) runs only when the caller passes its workspace (bwd_ops requests one only with
 // JAX_PADSAFE_FUSED_DQ=1: opt-in).  JAX_PADSAFE_FUSED_DQ=0 here also refuses it when a workspace is passed;
@@ -233,7 +215,7 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
     a.dq_sem = reinterpret_cast<int32_t *>(dq_workspace->typed_data() + accum_count);
     a.dq_sem_count = (int32_t)sem_count;
   }
-  LogVariantOnce(var);
+  JpsLogVariantOnce(kJpsBwdVariants, var, "backward kernels");
   int32_t rc = var->pre(var->pre_module, &a, stream);
   if (rc == 0) rc = var->dkdv(var->dkdv_module, &a, stream);              // dK and dV, or the dV pass
   if (rc == 0 && var->dk) rc = var->dk(var->dk_module, &a, stream);       // the dK pass (head_dim > 128)

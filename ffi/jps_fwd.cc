@@ -8,12 +8,12 @@
 #include <array>
 #include <atomic>
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
 
 #include "jps_fwd_args.h"
+#include "jps_log_variant.h"
 #include "jps_registry.h"  // generated: kJpsFwdVariants, kJpsNumFwdVariants
 #include "xla/ffi/api/ffi.h"
 
@@ -101,24 +101,6 @@ bool Sm90FamilyEnabled() {
   return enabled;
 }
 
-// JAX_PADSAFE_LOG_KERNELS=1: print each forward variant's name to stderr the first time this process
-// launches it (which kernel family served a call: troubleshooting, A/B runs and the GPU checks).
-void LogVariantOnce(const JpsFwdVariant *var) {
-  static const bool on = [] {
-    const char *e = std::getenv("JAX_PADSAFE_LOG_KERNELS");
-    return e && e[0] == '1';
-  }();
-  if (!on) return;
-  static std::mutex mu;
-  static std::array<bool, 4096> seen{};
-  const int idx = int(var - kJpsFwdVariants);
-  std::lock_guard<std::mutex> lock(mu);
-  if (idx >= 0 && idx < int(seen.size()) && !seen[idx]) {
-    seen[idx] = true;
-    std::fprintf(stderr, "jax_padsafe: forward kernel %s\n", var->name);
-  }
-}
-
 ffi::Error Invalid(const std::string &msg) { return ffi::Error::InvalidArgument("jax_padsafe_fwd: " + msg); }
 
 ffi::Error FwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -203,7 +185,7 @@ ffi::Error FwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   a.window_right = right;
   a.bottom_right = bottom_right ? 1 : 0;
   a.max_seqlen_q = max_seqlen_q;
-  LogVariantOnce(var);
+  JpsLogVariantOnce(kJpsFwdVariants, var, "forward kernel");
   int32_t rc = var->launch(var->module, &a, stream);
   if (rc != 0) return ffi::Error::Internal(std::string("jax_padsafe_fwd: launch of ") + var->name + ": " + cudaGetErrorString((cudaError_t)rc));
   return ffi::Error::Success();

@@ -27,21 +27,13 @@ def main():
   ap.add_argument("--calls", type=int, default=20)
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   a = ap.parse_args()
-  import numpy as np
   import jax
-  import jax.numpy as jnp
   import bench_decode
 
   parts = a.case.split(",")
   B, T, S, K = (int(x) for x in parts[:4])
   mode = parts[4] if len(parts) > 4 else None
-  N, H = 32, 128
-  ks = [jax.random.fold_in(jax.random.PRNGKey(1), i) for i in range(3)]
-  q = jax.random.normal(ks[0], (B, T, N, H), jnp.bfloat16)
-  k = jax.random.normal(ks[1], (B, S, K, H), jnp.bfloat16)
-  v = jax.random.normal(ks[2], (B, S, K, H), jnp.bfloat16)
-  lens = np.random.default_rng(0).integers(S // 2, S + 1, B).astype(np.int32)
-  lq, lk = jnp.full((B,), T, jnp.int32), jnp.asarray(lens)
+  q, k, v, lq, lk, _ = bench_decode.make_inputs(B, T, S, K)
   report = {}
   for split in (os.environ.get("JAX_PADSAFE_SPLIT_KV", "1"),):
     fn = bench_decode.make_fn("cute", mode)
