@@ -47,6 +47,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from jax_padsafe import _masking
+
 # Query rows per kernel tile (block_m of the kernels that run on the GPUs we ship for: sm90 and the
 # SM80-class hd64-128 tiles; at hd192/256 the SM80-class tile is 64 rows, where packing only helps more).
 _TILE_ROWS = 128
@@ -189,9 +191,9 @@ def _rewritten_call(packed_fn, p: Plan, q, q_len, k, v, k_base, k_end, kv_len, s
     o_d, lse_d = _diagonal_partial(packed_fn, q, q_len, k, v, k_base, hi, kv_len, static)
     o, lse = merge_partials(jnp.stack([o, o_d]), jnp.stack([lse, lse_d]))
   # Padded rows: o exactly 0 and lse exactly 0 (the contract), by select.
-  valid = (jnp.arange(t, dtype=jnp.int32)[None, :] < q_len[:, None])[:, :, None]  # [B, T, 1]
-  o = jnp.where(valid[..., None], o, _F32(0)).astype(q.dtype)
-  lse = jnp.where(valid, lse, _F32(0)).transpose(0, 2, 1)
+  valid = _valid_rows(t, q_len)
+  o = _masking.select_rows(o, valid).astype(q.dtype)
+  lse = _masking.select_rows(lse, valid).transpose(0, 2, 1)
   return o, lse
 
 
@@ -303,7 +305,7 @@ def split_kv_packed(packed_fn):
     q_len = jnp.clip(seqused_q, 0, jnp.minimum(cu_q[1:] - cu_q[:-1], rows))
     r = jnp.arange(rows, dtype=jnp.int32)[None, :]
     row_of = cu_q[:-1, None] + r  # [B, R]: where sequence b's row r lives in the packed buffer
-    used = r < q_len[:, None]
+    used = _valid_rows(rows, q_len)
     # Rows past a sequence's used rows are padding of the rewritten call: any in-bounds row will do.
     qd = q[jnp.clip(row_of, 0, total_q - 1)]
     o, lse = _rewritten_call(packed_fn, p, qd, q_len, k, v, cu_k[:-1], cu_k[1:], seqused_k, static)
