@@ -173,7 +173,9 @@ def varlen_attention(
   past ``cu_seqlens[-1]``, is padding: output 0, lse 0, zero gradients, never read.
 
   ``max_seqlen_q``/``max_seqlen_k`` (static ints) bound the sequence lengths; the GPU kernels need
-  them to size their grid (default: ``total_q``/``total_k``). A smaller bound raises ``ValueError``
+  them to size their grid (default: ``total_q``/``total_k``; where that bound would launch mostly tiles
+  past short sequences, the Hopper kernels number only tiles inside sequences instead, so a loose bound
+  costs little there). A smaller bound raises ``ValueError``
   when the offsets are concrete; under ``jit`` (traced offsets) the rows of a sequence past the bound
   are padding, in every implementation. Positions used by the causal and
   window masks are counted from each sequence's start. Returns ``out [total_q, N, H]`` and, with

@@ -74,10 +74,12 @@ def summarise(trace_file, calls):
   kern.sort(key=lambda e: e["ts"])
   by_cat = collections.defaultdict(float)
   by_name = collections.defaultdict(lambda: [0, 0.0])
+  # Long (CuTe DSL) kernel names differ at their end (e.g. the `_0` / `_1` of one export's two kernels).
+  short = lambda n: n if len(n) <= 90 else n[:70] + "..." + n[-17:]  # noqa: E731
   for e in kern:
     by_cat[categorise(e["name"])] += e["dur"]
-    by_name[e["name"][:90]][0] += 1
-    by_name[e["name"][:90]][1] += e["dur"]
+    by_name[short(e["name"])][0] += 1
+    by_name[short(e["name"])][1] += e["dur"]
   # busy = union of intervals
   busy, cur_s, cur_e = 0.0, None, None
   for e in kern:

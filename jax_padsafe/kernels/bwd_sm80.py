@@ -68,10 +68,15 @@ class BwdPreprocess:
         stream: cuda.CUstream,
     ):
         copy_in = tiles.gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads, async_copy=False)
-        grid = (cute.ceil_div(max_seqlen_q, self.block_m), cute.size(mO.shape[1]), cute.size(mUsedQ.shape[0]))
-        self.kernel(mO, mdO, mLSE, mdLSE, mDelta, mCuQ, mUsedQ, copy_in).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream
-        )
+        # Dense or compact query tiles (bounds.tile_grid), as the forward.
+        args = (mO, mdO, mLSE, mdLSE, mDelta, mCuQ, mUsedQ, copy_in)
+        heads, batch, total_q = cute.size(mO.shape[1]), cute.size(mUsedQ.shape[0]), cute.size(mO.shape[0])
+        if bounds.use_compact_grid(max_seqlen_q, total_q, batch, self.block_m) != 0:
+            self.kernel(*args, True).launch(grid=bounds.tile_grid(True, max_seqlen_q, total_q, heads, batch, self.block_m),
+                                            block=[self.num_threads, 1, 1], stream=stream)
+        else:
+            self.kernel(*args, False).launch(grid=bounds.tile_grid(False, max_seqlen_q, total_q, heads, batch, self.block_m),
+                                             block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -84,11 +89,13 @@ class BwdPreprocess:
         mCuQ: cute.Tensor,
         mUsedQ: cute.Tensor,
         copy_in: cute.TiledCopy,
+        compact: cutlass.Constexpr,
     ):
         BM = self.block_m
         HD = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        batch, m_block = bounds.tile_of_cta(compact, m_block, batch, mCuQ, cute.size(mUsedQ.shape[0]), BM)
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         m0 = m_block * BM
         if m0 < q_len:
@@ -425,6 +432,17 @@ class BwdDQ(_BwdBase):
         max_seqlen_q: cutlass.Int32,
         stream: cuda.CUstream,
     ):
+        # Dense or compact query tiles (bounds.tile_grid), as the forward; the dK/dV kernels stay dense.
+        args = (mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul, dscale,
+                window_left, window_right, bottom_right, max_seqlen_q, stream)
+        if bounds.use_compact_grid(max_seqlen_q, cute.size(mQ.shape[0]), cute.size(mUsedQ.shape[0]), self.block_m) != 0:
+            self._launch(True, *args)
+        else:
+            self._launch(False, *args)
+
+    @cute.jit
+    def _launch(self, compact: cutlass.Constexpr, mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK,
+                score_mul, cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_q, stream):
         dtype = self.dtype
         sQ_layout = tiles.smem_layout(dtype, self.block_m, self.head_dim)
         sK_layout = tiles.smem_layout(dtype, self.block_n, self.head_dim)
@@ -435,11 +453,12 @@ class BwdDQ(_BwdBase):
         copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
         copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
         tiled_mma = _mma(dtype, self.num_threads)
-        grid = (cute.ceil_div(max_seqlen_q, self.block_m), cute.size(mQ.shape[1]), cute.size(mUsedQ.shape[0]))
+        grid = bounds.tile_grid(compact, max_seqlen_q, cute.size(mQ.shape[0]), cute.size(mQ.shape[1]),
+                                cute.size(mUsedQ.shape[0]), self.block_m)
         self.kernel(
             mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK,
             score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
-            sQ_layout, sK_layout, copy_in, copy_out, tiled_mma, SharedStorage,
+            sQ_layout, sK_layout, copy_in, copy_out, tiled_mma, SharedStorage, compact,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
@@ -468,6 +487,7 @@ class BwdDQ(_BwdBase):
         copy_out: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        compact: cutlass.Constexpr,
     ):
         BM = self.block_m
         BN = self.block_n
@@ -478,6 +498,7 @@ class BwdDQ(_BwdBase):
         # the long CTAs start early and the short ones fill the tail (each CTA's result is independent of
         # the order, so this changes no bit).
         m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
+        batch, m_block = bounds.tile_of_cta(compact, m_block, batch, mCuQ, cute.size(mUsedQ.shape[0]), BM)
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         if m_block * BM < q_len:
             k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)

@@ -211,6 +211,10 @@ class BwdDKDVSm90(_Sm90BwdBase):
             sdQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, dq_elems], 1024]
 
         group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
+        # Dense key tiles (ceil(max_seqlen_k / BN) per sequence) even where the forward and the dQ kernel take the
+        # compact schedule (bounds.compact_tile): a dK/dV CTA past its sequence exits after its bounds, and the
+        # compact dK/dV kernel measured slower (hd128: its search's results stay live through the loop and ptxas
+        # spills 19 values there; NOTES_sm90_bwd.md, session 16).
         grid = (cute.ceil_div(max_seqlen_k, BN), cute.size(mK.shape[1]), cute.size(mUsedK.shape[0]))
         if cutlass.const_expr(fused):
             s2g_add = cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
@@ -962,14 +966,21 @@ class BwdDQSm90(_Sm90BwdBase):
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
 
         group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
-        grid = (cute.ceil_div(max_seqlen_q, BM), cute.size(mQ.shape[1]), cute.size(mUsedQ.shape[0]))
-        self.kernel(
-            tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, group,
-            score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
-            sQ_layout, sK_layout, mma_s, mma_q, copy_out, q_bytes, k_bytes, SharedStorage,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
-                 min_blocks_per_mp=1)
+        # Query tiles: dense (ceil(max_seqlen_q / BM) per sequence) or, where that launches at least twice as
+        # many CTAs, compact (bounds.compact_tile), each its own kernel (see FlashFwdSm90.__call__).
+        batch, total_q = cute.size(mUsedQ.shape[0]), cute.size(mQ.shape[0])
+        args = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+                mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, group,
+                score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
+                sQ_layout, sK_layout, mma_s, mma_q, copy_out, q_bytes, k_bytes, SharedStorage)
+        if bounds.use_compact_grid(max_seqlen_q, total_q, batch, BM) != 0:
+            self.kernel(*args, True).launch(
+                grid=bounds.tile_grid(True, max_seqlen_q, total_q, cute.size(mQ.shape[1]), batch, BM),
+                block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+        else:
+            self.kernel(*args, False).launch(
+                grid=bounds.tile_grid(False, max_seqlen_q, total_q, cute.size(mQ.shape[1]), batch, BM),
+                block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(
@@ -1004,6 +1015,7 @@ class BwdDQSm90(_Sm90BwdBase):
         q_bytes: cutlass.Constexpr,
         k_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
+        compact: cutlass.Constexpr,
     ):
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -1022,8 +1034,9 @@ class BwdDQSm90(_Sm90BwdBase):
 
         m_block_rev, head, batch = cute.arch.block_idx()
         # Highest query tiles first: under causal masks they visit the most key tiles (the order of CTAs
-        # changes no bit of any result).
+        # changes no bit of any result).  Compact: the last sequences' tiles first, each sequence's last first.
         m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
+        batch, m_block = bounds.tile_of_cta(compact, m_block, batch, mCuQ, cute.size(mUsedQ.shape[0]), BM)
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         q_slot = bounds.slot_length(mCuQ, batch)
         k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)

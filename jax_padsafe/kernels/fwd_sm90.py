@@ -179,14 +179,47 @@ class FlashFwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout) if self.separate_o else 0], 1024]
 
-        # Linear tile index: m-block fastest, then head, then sequence.  Each CTA takes tiles
-        # blockIdx.x + j * gridDim.x, j < tiles_per_cta; several per CTA only when there are enough
+        # Linear tile index, dense: m-block fastest (ceil(max_seqlen_q / BM) per sequence), then head, then
+        # sequence.  Where that would launch mostly tiles past short sequences, compact instead: head, then
+        # the tiles of that head's sequences that start inside them (bounds.compact_tile).  Each CTA takes
+        # tiles blockIdx.x + j * gridDim.x, j < tiles_per_cta; several per CTA only when there are enough
         # tiles for >= 2 waves of 132 SMs (H100 SXM / H200) per tile-per-CTA (a performance choice only).
         n_mb = cute.ceil_div(max_seqlen_q, BM)
         num_heads = cute.size(mQ.shape[1])
         batch = cute.size(mUsedQ.shape[0])
-        total = n_mb * num_heads * batch
-        if cutlass.const_expr(self.max_tiles_per_cta > 1):
+        compact_per_head = bounds.compact_tiles_per_head(cute.size(mQ.shape[0]), batch, BM)
+        # Two kernels, one per schedule (the dense one unchanged by the compact one's search, which would
+        # otherwise hold the tile's coordinates in registers that ptxas now rematerialises from blockIdx).
+        # The compact kernel takes its tiles per head where the dense one takes n_mb.
+        if bounds.use_compact_grid(max_seqlen_q, cute.size(mQ.shape[0]), batch, BM) != 0:
+            self.launch_schedule(True, compact_per_head, num_heads, batch, tma_atom_Q, tma_Q, tma_atom_K, tma_K,
+                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul,
+                                 window_left, window_right, bottom_right, sQ_layout, sKV_layout, tiled_mma_qk,
+                                 tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream)
+        else:
+            self.launch_schedule(False, n_mb, num_heads, batch, tma_atom_Q, tma_Q, tma_atom_K, tma_K,
+                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul,
+                                 window_left, window_right, bottom_right, sQ_layout, sKV_layout, tiled_mma_qk,
+                                 tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream)
+
+    @cute.jit
+    def launch_schedule(self, compact: cutlass.Constexpr, per_seq_or_head, num_heads, batch, tma_atom_Q, tma_Q,
+                        tma_atom_K, tma_K, tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, score_mul,
+                        cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout, tiled_mma_qk,
+                        tiled_mma_pv, copy_out, q_bytes: cutlass.Constexpr, kv_bytes: cutlass.Constexpr,
+                        SharedStorage: cutlass.Constexpr, stream):
+        """Launch the kernel of one schedule: dense (per_seq_or_head = m-blocks per sequence) or compact
+        (per_seq_or_head = compact tiles per head)."""
+        total = per_seq_or_head * num_heads
+        if cutlass.const_expr(not compact):
+            total = total * batch
+        if cutlass.const_expr(compact):
+            # One tile per CTA: the compact tiles of a skewed batch differ widely in work (a long sequence's
+            # tiles against many short ones'), and the hardware's CTA dispatch balances them where a fixed
+            # share of 4 tiles per CTA left a tail (measured: -17% on a long-tailed causal batch).
+            tiles_per_cta = cutlass.Int32(1)
+            grid = (total, 1, 1)
+        elif cutlass.const_expr(self.max_tiles_per_cta > 1):
             tiles_per_cta = cutlass.max(cutlass.min(total // self.multi_tile_min_tiles, self.max_tiles_per_cta), 1)
             grid = (cute.ceil_div(total, tiles_per_cta), 1, 1)
         else:
@@ -194,9 +227,9 @@ class FlashFwdSm90:
             grid = (total, 1, 1)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mK.shape[1], mQ.shape[1], n_mb, batch, tiles_per_cta,
+            mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mK.shape[1], mQ.shape[1], per_seq_or_head, batch, tiles_per_cta,
             score_mul, cap_mul, window_left, window_right, bottom_right,
-            sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage,
+            sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, compact,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -249,6 +282,7 @@ class FlashFwdSm90:
         q_bytes: cutlass.Constexpr,
         kv_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
+        compact: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -283,7 +317,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.separate_o):
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sched = (n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
-                 window_left, window_right, bottom_right)
+                 window_left, window_right, bottom_right, compact)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -304,7 +338,7 @@ class FlashFwdSm90:
         tiles from it."""
         BM, BN = self.block_m, self.block_n
         (n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
-         window_left, window_right, bottom_right) = sched
+         window_left, window_right, bottom_right, compact) = sched
         bid, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         # Snake order: even j walk the tiles forward, odd j backward, so with the m-block fastest in the
@@ -315,16 +349,28 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.max_tiles_per_cta > 1):
             if j % 2 == 1:
                 lin = (j + 1) * gdim - 1 - bid
-        m_block = lin % n_mb
-        rest = lin // n_mb
-        head = rest % num_heads
-        batch = cutlass.min(rest // num_heads, batch_size - 1)
+        # Dense: m-block fastest, then head, then sequence.  Compact: head, then the compact tiles of
+        # all sequences (in sequence order, m-block fastest).
+        if cutlass.const_expr(compact):
+            per_head = n_mb  # the compact kernel's argument in that place
+            # Last tiles first (one tile per CTA): the last m-blocks of a causal sequence are its heaviest.
+            lin = per_head * num_heads - 1 - lin
+            head = cutlass.min(lin // per_head, num_heads - 1)
+            batch, m_block = bounds.compact_tile(lin - head * per_head, mCuQ, batch_size, BM)
+            n_tiles_all = per_head * num_heads
+        else:
+            m_block = lin % n_mb
+            rest = lin // n_mb
+            head = rest % num_heads
+            batch = cutlass.min(rest // num_heads, batch_size - 1)
+            n_tiles_all = n_mb * num_heads * batch_size
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
         q_slot = bounds.slot_length(mCuQ, batch)
         present = cutlass.Boolean(False)
         in_grid = cutlass.Boolean(False)
-        if lin < n_mb * num_heads * batch_size:
+        # in_grid and not present: zeros for the tile's rows up to the slot end, none for a compact hole.
+        if lin < n_tiles_all:
             in_grid = cutlass.Boolean(True)
             if m_block * BM < q_len:
                 present = cutlass.Boolean(True)

@@ -64,7 +64,7 @@ def ref_backward(q, k, v, do, dlse, cu_q, cu_k, uq, uk, *, scale, causal, bottom
 
 
 def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons,
-             scale=None, dirty=False, rows_covered=False):
+             scale=None, dirty=False, rows_covered=False, loose_bound=False):
     jdt, ldt = DT[dtype]
     H = q.shape[2]
     scale = 1.0 / np.sqrt(H) if scale is None else scale
@@ -72,6 +72,8 @@ def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, 
     padq, padk = pad_rows(cu_q, uq, q.shape[0]), pad_rows(cu_k, uk, k.shape[0])
     mxq = int(np.max(np.diff(cu_q))) if len(uq) else 0
     mxk = int(np.max(np.diff(cu_k))) if len(uk) else 0
+    if loose_bound:  # as check_forward.run_case: the compact tile schedule
+        mxq, mxk = q.shape[0], k.shape[0]
     wl = -1 if left is None else left
     wr = -1 if right is None else right
     meta = [jnp.asarray(x) for x in (cu_q, cu_k, uq, uk)]
@@ -329,12 +331,15 @@ def check_lowering():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated case groups to run (gqa7, dense, compact, long; "
+                    "default: all)")
     ap.add_argument("--json")
     ap.add_argument("--lowering", action="store_true", help="only the CPU-side lowering check (no GPU needed)")
     ap.add_argument("--head-dims", help="comma-separated head dims (default: every built one)")
     ap.add_argument("--dtypes", help="comma-separated dtypes among bf16, fp16")
     ap.add_argument("--no-long", action="store_true", help="skip the long-sequence cases")
     a = ap.parse_args()
+    group = lambda g: not a.only or g in a.only.split(",")  # noqa: E731
     if a.lowering:
         return check_lowering() | check_emulation()
     jax.config.update("jax_enable_x64", True)
@@ -365,7 +370,7 @@ def main():
         for H in dims:
             batch = packed_batch(rng, q_lens=[0, 1, 127, 129, 300, 64], k_lens=[5, 1, 127, 129, 333, 0],
                                  q_gaps=[3, 0, 1, 7, 0, 2], k_gaps=[0, 2, 1, 0, 9, 4], tail=11, N=28, K=4, H=H)
-            for i, fname in enumerate(feats):
+            for i, fname in enumerate(feats if group("gqa7") else ()):
                 r = run_case(f"gqa7_{fname}", dtype, *batch, rng=rng, poisons=poisons, dirty=(i == 0),
                              **FEATURES[fname])
                 results.append(r)
@@ -373,16 +378,31 @@ def main():
                       flush=True)
             # The dense padded layout with rows_covered=True (the lengths path of the API): no gradient memsets.
             dense = dense_batch(rng, N=28, K=4, H=H, **DENSE_LENS)
-            for fname in DENSE_FEATURES if not a.quick else ("causal_br",):
+            for fname in (DENSE_FEATURES if not a.quick else ("causal_br",)) if group("dense") else ():
                 r = run_case(f"dense_{fname}", dtype, *dense, rng=rng, poisons=poisons, dirty=True, rows_covered=True,
                              **FEATURES[fname])
                 results.append(r)
                 print(("FAIL " if r["fails"] else "ok   ") + f"{dtype} hd{H} {r['name']}: {r['errs']} {r['fails']}",
                       flush=True)
+    # The compact tile schedule (see check_forward.py's compact cases): the dQ kernel takes it, the dK/dV kernel
+    # stays dense (its CTAs past a sequence exit early).
+    for dtype, H in [(d, h) for d in dtypes[:1] for h in dims if group("compact")]:
+        batch = packed_batch(rng, q_lens=[0, 1300, 1, 127, 129, 0, 64, 3, 200], k_lens=[4, 700, 1, 127, 0, 130, 64, 3, 257],
+                             q_gaps=[3, 0, 1, 7, 0, 2, 0, 129, 0], k_gaps=[0, 2, 1, 0, 9, 4, 0, 1, 0], tail=11, N=28, K=4,
+                             H=H, lead=300)
+        for fname in ("plain", "causal_br") if a.quick else ("plain", "causal_br", "causal_tl", "window_tl",
+                                                             "softcap_causal"):
+            if fname not in FEATURES:
+                continue
+            r = run_case(f"compact_{fname}", dtype, *batch, rng=rng, poisons=("nan", "huge"), loose_bound=True,
+                         **FEATURES[fname])
+            results.append(r)
+            print(("FAIL " if r["fails"] else "ok   ") + f"{dtype} hd{H} {r['name']}: {r['errs']} {r['fails']}",
+                  flush=True)
     longs = (("bf16", 128),) if a.quick else (("bf16", 64), ("bf16", 128), ("fp16", 128), ("bf16", 192),
                                                ("bf16", 256), ("fp16", 256))
     for dtype, H in longs:
-        if H not in dims or dtype not in dtypes or a.no_long:
+        if H not in dims or dtype not in dtypes or a.no_long or not group("long"):
             continue
         batch = packed_batch(rng, q_lens=[4095, 1, 2000], k_lens=[4095, 3000, 1999], q_gaps=[1, 0, 0],
                              k_gaps=[0, 5, 0], tail=3, N=7, K=1, H=H)

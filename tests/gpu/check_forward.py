@@ -33,9 +33,10 @@ DT = {"bf16": (jnp.bfloat16, ml_dtypes.bfloat16), "fp16": (jnp.float16, np.float
 POISONS = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf, "1e30": 1e30, "huge": None}
 
 
-def packed_batch(rng, q_lens, k_lens, q_gaps, k_gaps, tail, N, K, H):
-    cu_q = np.concatenate([[0], np.cumsum(np.add(q_lens, q_gaps))]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(np.add(k_lens, k_gaps))]).astype(np.int32)
+def packed_batch(rng, q_lens, k_lens, q_gaps, k_gaps, tail, N, K, H, lead=0):
+    """Sequences back to back after `lead` unused rows, each followed by its gap, then `tail` rows."""
+    cu_q = (lead + np.concatenate([[0], np.cumsum(np.add(q_lens, q_gaps))])).astype(np.int32)
+    cu_k = (lead + np.concatenate([[0], np.cumsum(np.add(k_lens, k_gaps))])).astype(np.int32)
     tq, tk = int(cu_q[-1]) + tail, int(cu_k[-1]) + tail
     q = rng.standard_normal((tq, N, H))
     k = rng.standard_normal((tk, K, H))
@@ -70,7 +71,9 @@ def poison(x, pad, kind, rng):
 
 
 def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons,
-             scale=None, rows_covered=False):
+             scale=None, rows_covered=False, loose_bound=False):
+    """loose_bound: max_seqlen_q/k = the packed lengths (the API's default), not the longest sequence, which
+    makes the kernels take the compact tile schedule (kernels/bounds.py) when it halves the grid."""
     jdt, ldt = DT[dtype]
     H = q.shape[2]
     scale = 1.0 / np.sqrt(H) if scale is None else scale
@@ -83,6 +86,8 @@ def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, 
     nai_o, nai_l = reference(q, k, v, cu_q, cu_k, uq, uk, lowp=jdt if xp is jnp else ldt, xp=xp, **kw)
     mxq = int(np.max(np.diff(cu_q))) if len(uq) else 0
     mxk = int(np.max(np.diff(cu_k))) if len(uk) else 0
+    if loose_bound:
+        mxq, mxk = q.shape[0], k.shape[0]
     f = jax.jit(lambda *a: ops.flash_forward(
         *a, max_seqlen_q=mxq, max_seqlen_k=mxk, scale=scale, causal=causal, bottom_right=bottom_right,
         window_left=-1 if left is None else left, window_right=-1 if right is None else right, softcap=softcap or 0.0,
@@ -168,6 +173,8 @@ DENSE_FEATURES = ("plain", "causal_tl", "window_causal_br", "softcap_causal")
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated case groups to run (gqa7, dense, long, multitile, "
+                    "compact, vmap; default: all)")
     ap.add_argument("--json")
     ap.add_argument("--no-long", action="store_true", help="skip the ~4k-token cases")
     ap.add_argument("--dims", default="", help="comma-separated head dims (default: all, or 64,128 with --quick)")
@@ -175,6 +182,7 @@ def main():
     ap.add_argument("--numpy-ref", action="store_true", help="float64 reference in NumPy on the host "
                     "(default: the same float64 code through jax.numpy on the GPU, much faster)")
     a = ap.parse_args()
+    group = lambda g: not a.only or g in a.only.split(",")  # noqa: E731
     if not a.numpy_ref:
         jax.config.update("jax_enable_x64", True)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, "library:", ops.library_available())
@@ -192,15 +200,15 @@ def main():
         for H in dims:
             batch = packed_batch(rng, q_lens=[0, 1, 127, 129, 300, 64], k_lens=[5, 1, 127, 129, 333, 0],
                                  q_gaps=[3, 0, 1, 7, 0, 2], k_gaps=[0, 2, 1, 0, 9, 4], tail=11, N=28, K=4, H=H)
-            for fname in feats:
+            for fname in feats if group("gqa7") else ():
                 results.append(run_case(f"gqa7_{fname}", dtype, *batch, rng=rng, poisons=poisons, **FEATURES[fname]))
             # The dense padded layout with rows_covered=True (the lengths path of the API): no memset of o.
             dense = dense_batch(rng, N=28, K=4, H=H, **DENSE_LENS)
-            for fname in DENSE_FEATURES if not a.quick else ("causal_br",):
+            for fname in (DENSE_FEATURES if not a.quick else ("causal_br",)) if group("dense") else ():
                 results.append(run_case(f"dense_{fname}", dtype, *dense, rng=rng, poisons=poisons, rows_covered=True,
                                         **FEATURES[fname]))
     # long irregular sequences (GQA 7: 7 q heads over 1 kv head)
-    long_cases = (() if a.no_long else (("bf16", 128),) if a.quick else (("bf16", 64), ("bf16", 128), ("fp16", 256)))
+    long_cases = (() if a.no_long or not group("long") else (("bf16", 128),) if a.quick else (("bf16", 64), ("bf16", 128), ("fp16", 256)))
     for dtype, H in [(d, h) for d, h in long_cases if h in dims and d in dtypes]:
         batch = packed_batch(rng, q_lens=[4095, 1000], k_lens=[4093, 4097], q_gaps=[1, 0], k_gaps=[0, 3],
                              tail=5, N=7, K=1, H=H)
@@ -212,14 +220,27 @@ def main():
     # tiles wholly past a sequence's length between them, and (head dims < 128) the L2 prefetch of each
     # CTA's next tile.
     multi_feats = ("causal_br",) if a.quick else ("plain", "causal_br", "window_causal_br", "softcap_causal")
-    for dtype, H in [(d, h) for d in dtypes[:1] for h in dims if h <= 128]:
+    for dtype, H in [(d, h) for d in dtypes[:1] for h in dims if h <= 128 and group("multitile")]:
         # (short keys where they do not change the tile count, to keep the float64 reference cheap)
         batch = packed_batch(rng, q_lens=[1200, 0, 513, 129, 1000, 7], k_lens=[390, 300, 500, 700, 0, 9],
                              q_gaps=[0, 5, 0, 3, 1, 0], k_gaps=[2, 0, 0, 1, 0, 6], tail=9, N=28, K=4, H=H)
         for fname in multi_feats:
             results.append(run_case(f"multitile_{fname}", dtype, *batch, rng=rng, poisons=("nan", "huge"),
                                     **FEATURES[fname]))
-    if 128 in dims and "bf16" in dtypes:  # the vmap check runs hd128 bf16
+    # The compact tile schedule: max_seqlen left at the packed lengths, so ceil(max_seqlen / 128) tiles per
+    # sequence would be mostly past the short sequences' ends.  One long sequence among short and empty ones,
+    # the first sequence starting past row 300 (compact tiles before the first sequence are holes), gaps and
+    # a tail; enough heads for several tiles per CTA.
+    compact_feats = ("causal_br", "plain") if a.quick else ("plain", "causal_br", "causal_tl", "window_causal_br",
+                                                            "softcap_causal")
+    for dtype, H in [(d, h) for d in dtypes[:1] for h in dims if group("compact")]:
+        batch = packed_batch(rng, q_lens=[0, 1300, 1, 127, 129, 0, 64, 3, 200], k_lens=[4, 700, 1, 127, 0, 130, 64, 3, 257],
+                             q_gaps=[3, 0, 1, 7, 0, 2, 0, 129, 0], k_gaps=[0, 2, 1, 0, 9, 4, 0, 1, 0], tail=11, N=28, K=4,
+                             H=H, lead=300)
+        for fname in compact_feats:
+            results.append(run_case(f"compact_{fname}", dtype, *batch, rng=rng, poisons=("nan", "huge"),
+                                    loose_bound=True, **FEATURES[fname]))
+    if 128 in dims and "bf16" in dtypes and group("vmap"):  # the vmap check runs hd128 bf16
         results.append(check_vmap(rng))
     nfail = 0
     for r in results:
