@@ -432,17 +432,6 @@ class BwdDQ(_BwdBase):
         max_seqlen_q: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        # Dense or compact query tiles (bounds.tile_grid), as the forward; the dK/dV kernels stay dense.
-        args = (mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul, dscale,
-                window_left, window_right, bottom_right, max_seqlen_q, stream)
-        if bounds.use_compact_grid(max_seqlen_q, cute.size(mQ.shape[0]), cute.size(mUsedQ.shape[0]), self.block_m) != 0:
-            self._launch(True, *args)
-        else:
-            self._launch(False, *args)
-
-    @cute.jit
-    def _launch(self, compact: cutlass.Constexpr, mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK,
-                score_mul, cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_q, stream):
         dtype = self.dtype
         sQ_layout = tiles.smem_layout(dtype, self.block_m, self.head_dim)
         sK_layout = tiles.smem_layout(dtype, self.block_n, self.head_dim)
@@ -453,12 +442,11 @@ class BwdDQ(_BwdBase):
         copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
         copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
         tiled_mma = _mma(dtype, self.num_threads)
-        grid = bounds.tile_grid(compact, max_seqlen_q, cute.size(mQ.shape[0]), cute.size(mQ.shape[1]),
-                                cute.size(mUsedQ.shape[0]), self.block_m)
+        grid = (cute.ceil_div(max_seqlen_q, self.block_m), cute.size(mQ.shape[1]), cute.size(mUsedQ.shape[0]))
         self.kernel(
             mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK,
             score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
-            sQ_layout, sK_layout, copy_in, copy_out, tiled_mma, SharedStorage, compact,
+            sQ_layout, sK_layout, copy_in, copy_out, tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
@@ -487,7 +475,6 @@ class BwdDQ(_BwdBase):
         copy_out: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
-        compact: cutlass.Constexpr,
     ):
         BM = self.block_m
         BN = self.block_n
@@ -498,7 +485,6 @@ class BwdDQ(_BwdBase):
         # the long CTAs start early and the short ones fill the tail (each CTA's result is independent of
         # the order, so this changes no bit).
         m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
-        batch, m_block = bounds.tile_of_cta(compact, m_block, batch, mCuQ, cute.size(mUsedQ.shape[0]), BM)
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         if m_block * BM < q_len:
             k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)

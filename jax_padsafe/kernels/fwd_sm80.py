@@ -93,18 +93,16 @@ class FlashFwdSm80:
             (self.num_threads // 32, 1, 1),
             permutation_mnk=(self.num_threads // 32 * 16, 16, 16),
         )
-        # Query tiles: dense (ceil(max_seqlen_q / block_m) per sequence) or, where that launches at least twice
-        # as many CTAs, compact (bounds.compact_tile: only tiles inside sequences), each its own kernel.
-        args = (mQ, mK, mV, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK,
-                score_mul, cap_mul, window_left, window_right, bottom_right,
-                sQ_layout, sKV_layout, copy_in, copy_out, tiled_mma, SharedStorage)
-        heads, batch, total_q = cute.size(mQ.shape[1]), cute.size(mUsedQ.shape[0]), cute.size(mQ.shape[0])
-        if bounds.use_compact_grid(max_seqlen_q, total_q, batch, self.block_m) != 0:
-            self.kernel(*args, True).launch(grid=bounds.tile_grid(True, max_seqlen_q, total_q, heads, batch, self.block_m),
-                                            block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
-        else:
-            self.kernel(*args, False).launch(grid=bounds.tile_grid(False, max_seqlen_q, total_q, heads, batch, self.block_m),
-                                             block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+        grid = (
+            cute.ceil_div(max_seqlen_q, self.block_m),
+            cute.size(mQ.shape[1]),
+            cute.size(mUsedQ.shape[0]),
+        )
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK,
+            score_mul, cap_mul, window_left, window_right, bottom_right,
+            sQ_layout, sKV_layout, copy_in, copy_out, tiled_mma, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
     def kernel(
@@ -129,13 +127,11 @@ class FlashFwdSm80:
         copy_out: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
-        compact: cutlass.Constexpr,
     ):
         m_block_rev, head, batch = cute.arch.block_idx()
         # Highest query tiles first: under causal/bottom-right masks they carry the most K tiles, so
         # the long CTAs start early and the short ones fill the tail.
         m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
-        batch, m_block = bounds.tile_of_cta(compact, m_block, batch, mCuQ, cute.size(mUsedQ.shape[0]), self.block_m)
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         if m_block * self.block_m < q_len:
             args = (
