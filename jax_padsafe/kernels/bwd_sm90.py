@@ -213,8 +213,8 @@ class BwdDKDVSm90(_Sm90BwdBase):
         group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
         # Dense key tiles (ceil(max_seqlen_k / BN) per sequence) even where the forward and the dQ kernel take the
         # compact schedule (bounds.compact_tile): a dK/dV CTA past its sequence exits after its bounds, and the
-        # compact dK/dV kernel measured slower (hd128: its search's results stay live through the loop and ptxas
-        # spills 19 values there; NOTES_sm90_bwd.md, session 16).
+        # compact dK/dV kernel measured no better overall (hd128: its search's results stay live through the loop,
+        # where ptxas spilled them: 19 STL / 21 LDL; NOTES_sm90_bwd.md, session 16).
         grid = (cute.ceil_div(max_seqlen_k, BN), cute.size(mK.shape[1]), cute.size(mUsedK.shape[0]))
         if cutlass.const_expr(fused):
             s2g_add = cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
