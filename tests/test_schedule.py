@@ -70,7 +70,7 @@ def test_compact_schedule_covers_every_tile_once(seed, batch, max_len):
 
 
 def test_compact_schedule_halves_a_skewed_grid():
-  """The host's choice (bounds.use_compact): the compact grid where it launches at most half the dense one."""
+  """The host's choice (bounds.use_compact_grid): the compact grid where it launches at most half the dense one."""
   lens = [8192] + [128] * 64                  # benchmarks/bench_varlen.py's "one_long"
   batch, total = len(lens), sum(lens)
   dense = -(-max(lens) // BLOCK) * batch

@@ -118,16 +118,13 @@ def compact_tiles_per_head(total_rows, batch, block: int):
     return total_rows // block + batch
 
 
-def use_compact(dense_per_head, compact_per_head):
-    """Host side: 1 when the compact schedule launches at most half the dense grid, else 0.  A hole or an
-    empty dense tile costs a CTA (or a multi-tile CTA's turn) only its bounds; the compact search costs every
-    tile one or two dependent loads, so it pays only where it removes many tiles."""
-    return cutlass.Int32(2 * compact_per_head <= dense_per_head)
-
-
 def use_compact_grid(max_seqlen, total_rows, batch, block: int):
-    """Host side: use_compact for a (tiles, heads, sequences) grid of ceil(max_seqlen / block) tiles."""
-    return use_compact((max_seqlen + block - 1) // block * batch, compact_tiles_per_head(total_rows, batch, block))
+    """Host side: 1 when the compact schedule launches at most half the dense grid of ceil(max_seqlen / block)
+    tiles per sequence, else 0.  A hole or an empty dense tile costs a CTA (or a multi-tile CTA's turn) only its
+    bounds; the compact search costs every tile one or two dependent loads, so it pays only where it removes
+    many tiles."""
+    dense_per_head = (max_seqlen + block - 1) // block * batch
+    return cutlass.Int32(2 * compact_tiles_per_head(total_rows, batch, block) <= dense_per_head)
 
 
 def tile_grid(compact: bool, max_seqlen, total_rows, heads, batch, block: int):

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_padsafe._cute import bwd_ops, ops
-from tests.gpu.check_forward import DENSE_FEATURES, DENSE_LENS, DT, POISONS, dense_batch, packed_batch, pad_rows, poison
+from tests.gpu.check_forward import (COMPACT_LAYOUT, DENSE_FEATURES, DENSE_LENS, DT, POISONS, dense_batch, packed_batch,
+                                     pad_rows, poison)
 from tests.gpu.reference import attention_rows, visible_mask
 
 
@@ -293,7 +294,7 @@ def check_emulation(cases=40, seed=1):
 
 def check_lowering():
     """No GPU needed: flash_backward lowers for CUDA to one jax_padsafe_bwd custom call with 11 operands
-    and 4 results, also under vmap (sequential) and for negative / zero scale; unsupported static
+    and 5 results (dq, dk, dv, the Delta workspace, the fused-dQ workspace: empty unless opted in), also under vmap (sequential) and for negative / zero scale; unsupported static
     combinations raise NotImplementedError."""
     fails = []
     total_q, total_k, N, K, H = 40, 30, 4, 2, 128
@@ -313,7 +314,7 @@ def check_lowering():
             ok = len(calls) == 1 and "deterministic = 1" in calls[0]
             if ok:
                 ins, outs = calls[0].rsplit(" : (", 1)[1].split(") -> (")
-                ok = ins.count("tensor<") == 11 and outs.count("tensor<") == 4
+                ok = ins.count("tensor<") == 11 and outs.count("tensor<") == 5
             if not ok:
                 fails.append(f"scale {scale}: unexpected lowering {[c[:200] for c in calls]}")
     try:
@@ -387,9 +388,7 @@ def main():
     # The compact tile schedule (see check_forward.py's compact cases): the dQ kernel takes it, the dK/dV kernel
     # stays dense (its CTAs past a sequence exit early).
     for dtype, H in [(d, h) for d in dtypes[:1] for h in dims if group("compact")]:
-        batch = packed_batch(rng, q_lens=[0, 1300, 1, 127, 129, 0, 64, 3, 200], k_lens=[4, 700, 1, 127, 0, 130, 64, 3, 257],
-                             q_gaps=[3, 0, 1, 7, 0, 2, 0, 129, 0], k_gaps=[0, 2, 1, 0, 9, 4, 0, 1, 0], tail=11, N=28, K=4,
-                             H=H, lead=300)
+        batch = packed_batch(rng, N=28, K=4, H=H, **COMPACT_LAYOUT)
         for fname in ("plain", "causal_br") if a.quick else ("plain", "causal_br", "causal_tl", "window_tl",
                                                              "softcap_causal"):
             if fname not in FEATURES:

@@ -52,6 +52,10 @@ def dense_batch(rng, q_lens, k_lens, T, S, N, K, H):
 
 
 DENSE_LENS = dict(q_lens=[0, 1, 127, 129, 300, 64], k_lens=[5, 1, 127, 129, 333, 0], T=320, S=345)
+# The compact tile schedule's cases (with loose_bound=True): one long sequence among short and empty ones, the
+# first starting past row 300 (so the first compact tiles are holes), gaps and a tail.
+COMPACT_LAYOUT = dict(q_lens=[0, 1300, 1, 127, 129, 0, 64, 3, 200], k_lens=[4, 700, 1, 127, 0, 130, 64, 3, 257],
+                      q_gaps=[3, 0, 1, 7, 0, 2, 0, 129, 0], k_gaps=[0, 2, 1, 0, 9, 4, 0, 1, 0], tail=11, lead=300)
 
 
 def pad_rows(cu, used, total):
@@ -234,9 +238,7 @@ def main():
     compact_feats = ("causal_br", "plain") if a.quick else ("plain", "causal_br", "causal_tl", "window_causal_br",
                                                             "softcap_causal")
     for dtype, H in [(d, h) for d in dtypes[:1] for h in dims if group("compact")]:
-        batch = packed_batch(rng, q_lens=[0, 1300, 1, 127, 129, 0, 64, 3, 200], k_lens=[4, 700, 1, 127, 0, 130, 64, 3, 257],
-                             q_gaps=[3, 0, 1, 7, 0, 2, 0, 129, 0], k_gaps=[0, 2, 1, 0, 9, 4, 0, 1, 0], tail=11, N=28, K=4,
-                             H=H, lead=300)
+        batch = packed_batch(rng, N=28, K=4, H=H, **COMPACT_LAYOUT)
         for fname in compact_feats:
             results.append(run_case(f"compact_{fname}", dtype, *batch, rng=rng, poisons=("nan", "huge"),
                                     loose_bound=True, **FEATURES[fname]))
