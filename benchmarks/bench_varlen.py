@@ -59,6 +59,7 @@ def main():
   ap.add_argument("--kinds", default="balanced,one_long,long_tail")
   ap.add_argument("--no-cudnn", action="store_true")
   ap.add_argument("--quick", action="store_true", help="causal only, forward only")
+  ap.add_argument("--passes", default="fwd,fwd+bwd", help="which of fwd, fwd+bwd to time")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
   dt = jnp.bfloat16
@@ -100,7 +101,9 @@ def main():
         fns = {"tight": tight, "default": default}
         if not args.no_cudnn:
           fns["cudnn pad"] = cudnn
-        for label, mult in ([("fwd", 1.0)] if args.quick else [("fwd", 1.0), ("fwd+bwd", 2.5)]):
+        passes = [("fwd", 1.0)] if args.quick else [(p, m) for p, m in (("fwd", 1.0), ("fwd+bwd", 2.5))
+                                                     if p in args.passes.split(",")]
+        for label, mult in passes:
           res = {}
           for name, f in fns.items():
             g = jax.jit(f) if label == "fwd" else jax.jit(jax.grad(

@@ -65,10 +65,15 @@ def main(paths):
                 with open(out, "wb") as f:
                     f.write(cubin)
                 report = subprocess.run([exe, "--dump-resource-usage", out], capture_output=True, text=True).stdout
+                # An export may hold several kernels (e.g. a dense and a compact schedule): each is reported
+                # under the tail of its (long, mangled) name.
+                name = ""
                 for line in report.splitlines():
+                    if line.strip().startswith("Function "):
+                        name = line.strip()[len("Function "):].rstrip(":")
                     if "REG:" in line:
                         fields = " ".join(line.split()[:4])
-                        print(f"{os.path.basename(path)}: {fields}")
+                        print(f"{os.path.basename(path)}: {fields}  ...{name[-60:]}")
 
 
 if __name__ == "__main__":

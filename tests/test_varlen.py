@@ -45,13 +45,16 @@ def packed_from_padded(x, cu, used, total):
 
 
 def packed_kwargs(d, impl, **kw):
-  """`varlen_attention` keyword arguments for a problem from :func:`build` (cu_seqlens apart)."""
+  """`varlen_attention` keyword arguments for a problem from :func:`build` (cu_seqlens apart).  The
+  sequence-length bounds are the longest slots, or left at their default (the packed length) where the
+  problem says ``loose_bounds``."""
   p = d["problem"]
+  bounds = {} if d.get("loose_bounds") else dict(max_seqlen_q=int(p.q.shape[1]), max_seqlen_k=int(p.k.shape[1]))
   return dict(seqused_q=jnp.asarray(d["used_q"], jnp.int32), seqused_k=jnp.asarray(d["used_k"], jnp.int32),
               is_causal=p.causal, softcap=p.softcap,
               causal_alignment="bottom_right" if p.bottom_right else "top_left",
               local_window_size=None if p.window is None else tuple(-1 if w is None else w for w in p.window),
-              implementation=impl, max_seqlen_q=int(p.q.shape[1]), max_seqlen_k=int(p.k.shape[1]), **kw)
+              implementation=impl, **bounds, **kw)
 
 
 def run_packed(d, dtype, impl, poison, rng, d_out, d_lse, **kw):

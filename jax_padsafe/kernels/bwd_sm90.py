@@ -209,13 +209,15 @@ class BwdDKDVSm90(_Sm90BwdBase):
             sStat: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BM * 2 * 2 * 2], 16]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, dq_elems], 1024]
+            # The compact kernel's (sequence, key tile) (see `body`).
+            sTile: cute.struct.MemRange[cutlass.Int32, 2]
 
         group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
-        # Dense key tiles (ceil(max_seqlen_k / BN) per sequence) even where the forward and the dQ kernel take the
-        # compact schedule (bounds.compact_tile): a dK/dV CTA past its sequence exits after its bounds, and the
-        # compact dK/dV kernel measured no better overall (hd128: its search's results stay live through the loop,
-        # where ptxas spilled them: 19 STL / 21 LDL; NOTES_sm90_bwd.md, session 16).
-        grid = (cute.ceil_div(max_seqlen_k, BN), cute.size(mK.shape[1]), cute.size(mUsedK.shape[0]))
+        # Key tiles: dense (ceil(max_seqlen_k / BN) per sequence) or, where that launches at least twice as many
+        # CTAs, compact (bounds.compact_tile), each its own kernel (see FlashFwdSm90.__call__).  The fused-dQ
+        # kernel stays dense: its reduction order is the launch order of a head's key tiles.
+        batch, total_k, heads_kv = cute.size(mUsedK.shape[0]), cute.size(mK.shape[0]), cute.size(mK.shape[1])
+        grid = (cute.ceil_div(max_seqlen_k, BN), heads_kv, batch)
         if cutlass.const_expr(fused):
             s2g_add = cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
             tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(s2g_add, sc.rows_dim_heads(mdQacc), sdQ_layout,
@@ -229,13 +231,19 @@ class BwdDKDVSm90(_Sm90BwdBase):
             ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
                      min_blocks_per_mp=1)
         else:
-            self.kernel(
-                tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-                mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group,
-                score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
-                sQ_layout, sK_layout, mma_s, mma_kv, copy_out, q_bytes, k_bytes, SharedStorage,
-            ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
-                     min_blocks_per_mp=1)
+            args = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+                    mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group,
+                    score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
+                    sQ_layout, sK_layout, mma_s, mma_kv, copy_out, q_bytes, k_bytes, SharedStorage)
+            if bounds.use_compact_grid(max_seqlen_k, total_k, batch, BN) != 0:
+                self.kernel(*args, True).launch(
+                    grid=bounds.tile_grid(True, max_seqlen_k, total_k, heads_kv, batch, BN),
+                    block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+                    min_blocks_per_mp=1)
+            else:
+                self.kernel(*args, False).launch(
+                    grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+                    min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(
@@ -271,11 +279,12 @@ class BwdDKDVSm90(_Sm90BwdBase):
         q_bytes: cutlass.Constexpr,
         k_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
+        compact: cutlass.Constexpr,
     ):
         self.body(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, None, None, None,
                   mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group, score_mul, cap_mul, dscale,
                   window_left, window_right, bottom_right, sQ_layout, sK_layout, None, None, mma_s, mma_kv,
-                  copy_out, q_bytes, k_bytes, SharedStorage)
+                  copy_out, q_bytes, k_bytes, SharedStorage, compact)
 
     @cute.kernel
     def kernel_fused(
@@ -320,13 +329,14 @@ class BwdDKDVSm90(_Sm90BwdBase):
         self.body(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_dQ, tma_dQ,
                   mSem, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group, score_mul, cap_mul, dscale,
                   window_left, window_right, bottom_right, sQ_layout, sK_layout, sdS_layout, sdQ_layout, mma_s,
-                  mma_kv, copy_out, q_bytes, k_bytes, SharedStorage)
+                  mma_kv, copy_out, q_bytes, k_bytes, SharedStorage, False)
 
     @cute.jit
     def body(self, tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_dQ, tma_dQ,
              mSem, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group, score_mul, cap_mul, dscale,
              window_left, window_right, bottom_right, sQ_layout, sK_layout, sdS_layout, sdQ_layout, mma_s, mma_kv,
-             copy_out, q_bytes: cutlass.Constexpr, k_bytes: cutlass.Constexpr, SharedStorage: cutlass.Constexpr):
+             copy_out, q_bytes: cutlass.Constexpr, k_bytes: cutlass.Constexpr, SharedStorage: cutlass.Constexpr,
+             compact: cutlass.Constexpr):
         fused = tma_atom_dQ is not None
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -337,6 +347,17 @@ class BwdDKDVSm90(_Sm90BwdBase):
             cpasync.prefetch_descriptor(tma_atom_V)
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
+        # Compact: warp 0 finds the tile's (sequence, key tile) and leaves it in shared memory, where every
+        # thread reads it after the pipelines' barrier and the consumers again where they need it (`key_tile`).
+        # The first sequences' tiles first, each sequence's first (under causal masks, longest) first.
+        sTile = None
+        if cutlass.const_expr(compact):
+            sTile = storage.sTile.get_tensor(cute.make_layout(2))
+            if warp_idx == 0:
+                b, n = bounds.compact_tile(cute.arch.block_idx()[0], mCuK, cute.size(mUsedK.shape[0]), BN)
+                if cute.arch.lane_idx() == 0:
+                    sTile[0] = b
+                    sTile[1] = n
         pipe_kv, pipe_q = self._pipes(storage, 2 * k_bytes, 2 * q_bytes)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -354,6 +375,9 @@ class BwdDKDVSm90(_Sm90BwdBase):
             sdQ = storage.sdQ.get_tensor(sPx_layout.outer, swizzle=sPx_layout.inner)
 
         n_block, head_kv, batch = cute.arch.block_idx()
+        if cutlass.const_expr(compact):
+            batch = sTile[0]
+            n_block = sTile[1]
         # Fused dQ with a bounded right window (causal): key tiles in reverse launch order, and the dQ partials
         # of a query tile are added from the highest key tile down.  Key tile n first meets query tile
         # m_min(n), which grows with n, so the highest key tiles reach every query tile first: adding in that
@@ -415,8 +439,8 @@ class BwdDKDVSm90(_Sm90BwdBase):
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv,
-                             copy_out, score_mul, cap_mul, dscale, n_block, head_kv, group, n_m, m_min, total, q_start,
-                             q_len, k_start, k_len, k_slot, off, left, right, fused)
+                             copy_out, score_mul, cap_mul, dscale, n_block, sTile, head_kv, group, n_m, m_min, total,
+                             q_start, q_len, k_start, k_len, k_slot, off, left, right, fused)
         else:
             tidx, _, _ = cute.arch.thread_idx()
             if tidx < self.num_consumer_threads:
@@ -485,14 +509,15 @@ class BwdDKDVSm90(_Sm90BwdBase):
 
     @cute.jit
     def consume(self, sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv,
-                copy_out, score_mul, cap_mul, dscale, n_block, head_kv, group, n_m, m_min, total, q_start, q_len,
-                k_start, k_len, k_slot, off, left, right, fused: cutlass.Constexpr):
+                copy_out, score_mul, cap_mul, dscale, n_block, sTile, head_kv, group, n_m, m_min, total, q_start,
+                q_len, k_start, k_len, k_slot, off, left, right, fused: cutlass.Constexpr):
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         dt = self.dtype
         tidx_all, _, _ = cute.arch.thread_idx()
         tidx = tidx_all - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
         n0 = n_block * BN
+
 
         # Accumulate flags are fixed per TiledMma object (never set inside staged control flow): the first
         # k-block of S^T / dP^T uses mma_s0 (overwrite), everything else accumulates.
@@ -606,8 +631,8 @@ class BwdDKDVSm90(_Sm90BwdBase):
             if cutlass.const_expr(self.split_head_dim):
                 self.exchange_step(wg, tidx % 128, stage, par, sStat, sdQ, sdS, copy_px, copy_dsx, mma_s0, mma_s,
                                    mma_kv, tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, acc_dK, acc_dV, rP, rdS, tPrP,
-                                   tPrdS, cS_mn, lse2, delta, s_shape, n_block, m_block, q_len, k_len, off, left,
-                                   right, score_mul, cap_mul)
+                                   tPrdS, cS_mn, lse2, delta, s_shape, self.key_tile(n_block, sTile), m_block,
+                                   q_len, k_len, off, left, right, score_mul, cap_mul)
             else:
                 acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                 sc.gemm(mma_s0, mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True)
@@ -622,7 +647,8 @@ class BwdDKDVSm90(_Sm90BwdBase):
                 if cutlass.const_expr(early_stats):
                     for x in cutlass.range_constexpr(n_cols):
                         lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
-                need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
+                n_step = self.key_tile(n_block, sTile)
+                need = bounds.tile_needs_mask(n_step, m_block, BM, BN, q_len, k_len, off, left, right)
                 warpgroup.wait_group(1)
                 if cutlass.const_expr(not early_stats):
                     for x in cutlass.range_constexpr(n_cols):
@@ -632,7 +658,8 @@ class BwdDKDVSm90(_Sm90BwdBase):
                 if cutlass.const_expr(self.has_softcap):
                     acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                     t_mn = masking.acc_mn_view_sm90(acc_T)
-                bc.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0, k_len, off, left, right, score_mul, cap_mul,
+                n0_step = self.key_tile(n_block, sTile) * BN
+                bc.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right, score_mul, cap_mul,
                                     need, 1, self.has_softcap)
                 rP.store(acc_S.load().to(dt))
                 if cutlass.const_expr(early_stats):
@@ -672,6 +699,8 @@ class BwdDKDVSm90(_Sm90BwdBase):
         # Epilogue: dK (times the softmax scale) and dV through sK / sV (every consumer's GEMMs are complete
         # after the barrier): valid key rows, then zeros up to the slot end.
         cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
+        n_block = self.key_tile(n_block, sTile)
+        n0 = n_block * BN
         gdK = cute.local_tile(cute.domain_offset((k_start, 0), mdK[None, head_kv, None]), (BN, HD), (n_block, 0))
         gdV = cute.local_tile(cute.domain_offset((k_start, 0), mdV[None, head_kv, None]), (BN, HD), (n_block, 0))
         sc.store_rows_via_smem(acc_dK, dscale, dt, mma_kv, copy_out, sK, gdK, BN, HD, n0, k_len, tidx,
@@ -679,6 +708,18 @@ class BwdDKDVSm90(_Sm90BwdBase):
         sc.store_rows_via_smem(acc_dV, cutlass.Float32(1.0), dt, mma_kv, copy_out, sV, gdV, BN, HD, n0, k_len, tidx,
                                _BAR_CONSUMERS, self.num_consumer_threads, k_slot)
 
+
+    @cute.jit
+    def key_tile(self, n_block, sTile):
+        """The consumers' key tile, where a step or the epilogue needs it.  The dense kernel's is blockIdx.x,
+        which ptxas re-reads from SR_CTAID at each use; the compact kernel's comes from a search over
+        cu_seqlens and would stay live through the loop, where the dK / dV accumulators leave no register for
+        it (ptxas spilled 19 values in the loop, session 16).  So the compact kernel keeps it in shared memory
+        (`sTile`, written before the pipelines' barrier) and loads it at each use; the loop's barriers keep those
+        loads inside the loop."""
+        if cutlass.const_expr(sTile is None):
+            return n_block
+        return sTile[1]
 
     @cute.jit
     def exchange_step(self, wg, tidx_wg, stage, par, sStat, sPx, sdSx, copy_px, copy_dsx, mma_s0, mma_s, mma_kv, tSrK,

@@ -62,7 +62,8 @@ def _describe_packed(d, dtype):
     """The same for a packed case: its sequences' used lengths."""
     return " ".join([f"seqs {len(d['used_q'])} used_q {list(map(int, d['used_q']))} "
                      f"used_k {list(map(int, d['used_k']))} n{d['q'].shape[1]}/{d['k'].shape[1]} "
-                     f"hd{d['q'].shape[2]} {jax.numpy.dtype(dtype).name}"] + _masks(d["problem"]))
+                     f"hd{d['q'].shape[2]} {jax.numpy.dtype(dtype).name}"] + _masks(d["problem"])
+                    + (["loose-bounds"] if d.get("loose_bounds") else []))
 
 
 def main():
