@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_padsafe._cute import bwd_ops, ops
-from tests.gpu.check_forward import (COMPACT_LAYOUT, DENSE_FEATURES, DENSE_LENS, DT, POISONS, dense_batch, packed_batch,
-                                     pad_rows, poison)
+from tests.gpu.check_forward import (COMPACT_LAYOUT, DENSE_FEATURES, DENSE_LENS, DT, POISONS, dense_batch, many_layout,
+                                     packed_batch, pad_rows, poison)
 from tests.gpu.reference import attention_rows, visible_mask
 
 
@@ -65,7 +65,9 @@ def ref_backward(q, k, v, do, dlse, cu_q, cu_k, uq, uk, *, scale, causal, bottom
 
 
 def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons,
-             scale=None, dirty=False, rows_covered=False, loose_bound=False):
+             scale=None, dirty=False, rows_covered=False, loose_bound=False, ref_xp=jnp):
+    """ref_xp: where the float64 reference runs, jax.numpy on the GPU (default) or numpy on the host (for many
+    short sequences, which jax.numpy would compile one shape at a time)."""
     jdt, ldt = DT[dtype]
     H = q.shape[2]
     scale = 1.0 / np.sqrt(H) if scale is None else scale
@@ -105,8 +107,9 @@ def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, 
     args = (q, k, v, o_np, lse_np, do, dlse)
     g0 = call(bwd, *args)
     kw = dict(scale=scale, causal=causal, bottom_right=bottom_right, left=left, right=right, softcap=softcap)
-    ref = ref_backward(q, k, v, do, dlse, cu_q, cu_k, uq, uk, **kw)
-    nai = ref_backward(q, k, v, do, dlse, cu_q, cu_k, uq, uk, o_in=o_np, lowp=jdt, **kw)
+    ref = ref_backward(q, k, v, do, dlse, cu_q, cu_k, uq, uk, xp=ref_xp, **kw)
+    nai = ref_backward(q, k, v, do, dlse, cu_q, cu_k, uq, uk, o_in=o_np, lowp=jdt if ref_xp is jnp else ldt,
+                       xp=ref_xp, **kw)
     seen = ref[3]
     fails = []
     errs = {}
@@ -332,8 +335,8 @@ def check_lowering():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="", help="comma-separated case groups to run (gqa7, dense, compact, long; "
-                    "default: all)")
+    ap.add_argument("--only", default="", help="comma-separated case groups to run (gqa7, dense, compact, many "
+                    "(compact's 1100-sequence case alone), long; default: all)")
     ap.add_argument("--json")
     ap.add_argument("--lowering", action="store_true", help="only the CPU-side lowering check (no GPU needed)")
     ap.add_argument("--head-dims", help="comma-separated head dims (default: every built one)")
@@ -387,17 +390,22 @@ def main():
                       flush=True)
     # The compact tile schedule (see check_forward.py's compact cases): the Hopper dQ and dK/dV kernels take it
     # (the layout's keys: 21 compact key tiles against 117 dense ones), the SM80-class kernels stay dense.
-    for dtype, H in [(d, h) for d in dtypes[:1] for h in dims if group("compact")]:
+    for dtype, H in [(d, h) for d in dtypes[:1] for h in dims if group("compact") or group("many")]:
         batch = packed_batch(rng, N=28, K=4, H=H, **COMPACT_LAYOUT)
         for fname in ("plain", "causal_br") if a.quick else ("plain", "causal_br", "causal_tl", "window_tl",
                                                              "softcap_causal"):
-            if fname not in FEATURES:
+            if fname not in FEATURES or not group("compact"):
                 continue
             r = run_case(f"compact_{fname}", dtype, *batch, rng=rng, poisons=("nan", "huge"), loose_bound=True,
                          **FEATURES[fname])
             results.append(r)
             print(("FAIL " if r["fails"] else "ok   ") + f"{dtype} hd{H} {r['name']}: {r['errs']} {r['fails']}",
                   flush=True)
+        # 1100 short sequences: the compact search's three rounds (check_forward.many_layout).
+        r = run_case("compact_many_causal_br", dtype, *packed_batch(rng, N=4, K=2, H=H, **many_layout()), rng=rng,
+                     poisons=("nan", "huge"), loose_bound=True, ref_xp=np, **FEATURES["causal_br"])
+        results.append(r)
+        print(("FAIL " if r["fails"] else "ok   ") + f"{dtype} hd{H} {r['name']}: {r['errs']} {r['fails']}", flush=True)
     longs = (("bf16", 128),) if a.quick else (("bf16", 64), ("bf16", 128), ("fp16", 128), ("bf16", 192),
                                                ("bf16", 256), ("fp16", 256))
     for dtype, H in longs:

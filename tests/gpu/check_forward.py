@@ -58,6 +58,17 @@ COMPACT_LAYOUT = dict(q_lens=[0, 1300, 1, 127, 129, 0, 64, 3, 200], k_lens=[4, 7
                       q_gaps=[3, 0, 1, 7, 0, 2, 0, 129, 0], k_gaps=[0, 2, 1, 0, 9, 4, 0, 1, 0], tail=11, lead=300)
 
 
+def many_layout(n=1100, seed=17):
+    """The compact cases' second layout: n short sequences (0-40 rows, one of 300 queries and one of 300 keys)
+    with gaps, a lead and a tail.  The compact search tests 32 candidates per round, so 1100 sequences take
+    three rounds (1100 -> 35 -> 2 -> 1 candidates), where COMPACT_LAYOUT's nine take one."""
+    rng = np.random.default_rng(seed)
+    q_lens, k_lens = rng.integers(0, 41, n), rng.integers(0, 41, n)
+    q_lens[n // 2], k_lens[n // 3] = 300, 300
+    return dict(q_lens=q_lens.tolist(), k_lens=k_lens.tolist(), q_gaps=rng.integers(0, 4, n).tolist(),
+                k_gaps=rng.integers(0, 4, n).tolist(), tail=5, lead=37)
+
+
 def pad_rows(cu, used, total):
     pad = np.ones(total, bool)
     for b in range(len(used)):
@@ -75,9 +86,11 @@ def poison(x, pad, kind, rng):
 
 
 def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons,
-             scale=None, rows_covered=False, loose_bound=False):
+             scale=None, rows_covered=False, loose_bound=False, ref_xp=None):
     """loose_bound: max_seqlen_q/k = the packed lengths (the API's default), not the longest sequence, which
-    makes the kernels take the compact tile schedule (kernels/bounds.py) when it halves the grid."""
+    makes the kernels take the compact tile schedule (kernels/bounds.py) when it halves the grid.  ref_xp: numpy
+    forces the float64 reference onto the host (for many short sequences, which jax.numpy would compile one
+    shape at a time)."""
     jdt, ldt = DT[dtype]
     H = q.shape[2]
     scale = 1.0 / np.sqrt(H) if scale is None else scale
@@ -85,7 +98,7 @@ def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, 
     q, k, v = (x.astype(ldt).astype(np.float64) for x in (q, k, v))
     padq, padk = pad_rows(cu_q, uq, q.shape[0]), pad_rows(cu_k, uk, k.shape[0])
     kw = dict(scale=scale, causal=causal, bottom_right=bottom_right, left=left, right=right, softcap=softcap)
-    xp = jnp if jax.config.jax_enable_x64 else np
+    xp = ref_xp or (jnp if jax.config.jax_enable_x64 else np)
     ref_o, ref_l = reference(q, k, v, cu_q, cu_k, uq, uk, xp=xp, **kw)
     nai_o, nai_l = reference(q, k, v, cu_q, cu_k, uq, uk, lowp=jdt if xp is jnp else ldt, xp=xp, **kw)
     mxq = int(np.max(np.diff(cu_q))) if len(uq) else 0
@@ -178,7 +191,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated case groups to run (gqa7, dense, long, multitile, "
-                    "compact, vmap; default: all)")
+                    "compact, many (compact's 1100-sequence case alone), vmap; default: all)")
     ap.add_argument("--json")
     ap.add_argument("--no-long", action="store_true", help="skip the ~4k-token cases")
     ap.add_argument("--dims", default="", help="comma-separated head dims (default: all, or 64,128 with --quick)")
@@ -237,11 +250,14 @@ def main():
     # a tail; enough heads for several tiles per CTA.
     compact_feats = ("causal_br", "plain") if a.quick else ("plain", "causal_br", "causal_tl", "window_causal_br",
                                                             "softcap_causal")
-    for dtype, H in [(d, h) for d in dtypes[:1] for h in dims if group("compact")]:
+    for dtype, H in [(d, h) for d in dtypes[:1] for h in dims if group("compact") or group("many")]:
         batch = packed_batch(rng, N=28, K=4, H=H, **COMPACT_LAYOUT)
-        for fname in compact_feats:
+        for fname in compact_feats if group("compact") else ():
             results.append(run_case(f"compact_{fname}", dtype, *batch, rng=rng, poisons=("nan", "huge"),
                                     loose_bound=True, **FEATURES[fname]))
+        batch = packed_batch(rng, N=4, K=2, H=H, **many_layout())
+        results.append(run_case("compact_many_causal_br", dtype, *batch, rng=rng, poisons=("nan", "huge"),
+                                loose_bound=True, ref_xp=np, **FEATURES["causal_br"]))
     if 128 in dims and "bf16" in dtypes and group("vmap"):  # the vmap check runs hd128 bf16
         results.append(check_vmap(rng))
     nfail = 0
