@@ -8,7 +8,8 @@ Both kernels use 3 warpgroups: warpgroup 0 is the producer (one warp issues TMA 
 shared-memory stages, PipelineTmaAsync; setmaxnreg down), warpgroups 1 and 2 consume (setmaxnreg up),
 each owning 64 rows of the CTA's tile.
 
-* `BwdDKDVSm90`: one CTA per (key tile of block_n, kv head, sequence).  K and V resident; Q, dO tiles of
+* `BwdDKDVSm90`: one CTA per (key tile of block_n, kv head, sequence), or for packed batches whose dense grid
+  would be mostly empty per (compact key tile, kv head) (`bounds.compact_tile`).  K and V resident; Q, dO tiles of
   block_m queries streamed for every (query head of the GQA group, query tile that sees the key tile), in
   that fixed order.  Per step: S^T = K Q^T and dP^T = V dO^T (wgmma, both operands in shared memory),
   P^T = exp2(S^T * scale_log2 - lse2) by select (0 where masked, where the query is padded or has
@@ -16,8 +17,8 @@ each owning 64 rows of the CTA's tile.
   registers, B = dO^T / Q^T MN-major from shared memory).  Up to head dim 128 each consumer warpgroup owns
   64 of the tile's 128 keys; at 192 / 256 (block_n 64) each owns half of the head dim, warpgroup 0 computes
   S^T / P^T and warpgroup 1 dP^T / dS^T, and they swap them through shared memory (`exchange_step`).
-* `BwdDQSm90`: one CTA per (query tile of block_m, head, sequence).  Q and dO resident, K and V streamed;
-  S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K.
+* `BwdDQSm90`: one CTA per (query tile of block_m, head, sequence), or per compact query tile.  Q and dO
+  resident, K and V streamed; S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K.
 
 Pad-safety under TMA (TMA zero-fills only outside the whole tensor; rows past a sequence's valid length
 inside it hold anything: NaN, Inf, the next sequence):
