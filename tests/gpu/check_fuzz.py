@@ -75,7 +75,12 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    cases = [("dense", s) for s in _seeds(args.dense)] + [("packed", s) for s in _seeds(args.packed)]
+    # Interleaved in proportion, so that a sweep cut off by a time limit has run both kinds (dense first, the
+    # packed draws after all of them, left every packed seed unrun in a 280 s sweep).
+    keyed = []
+    for kind, seeds in (("dense", list(_seeds(args.dense))), ("packed", list(_seeds(args.packed)))):
+        keyed += [((i + 0.5) / len(seeds), kind, seed) for i, seed in enumerate(seeds)]
+    cases = [(kind, seed) for _, kind, seed in sorted(keyed)]
     results, t_all = [], time.time()
     for kind, seed in cases:
         t0, what = time.time(), "(draw failed)"
