@@ -713,11 +713,11 @@ class BwdDKDVSm90(_Sm90BwdBase):
     @cute.jit
     def key_tile(self, n_block, sTile):
         """The consumers' key tile, where a step or the epilogue needs it.  The dense kernel's is blockIdx.x,
-        which ptxas re-reads from SR_CTAID at each use; the compact kernel's comes from a search over
-        cu_seqlens and would stay live through the loop, where the dK / dV accumulators leave no register for
-        it (ptxas spilled 19 values in the loop, session 16).  So the compact kernel keeps it in shared memory
-        (`sTile`, written before the pipelines' barrier) and loads it at each use; the loop's barriers keep those
-        loads inside the loop."""
+        which ptxas re-reads from SR_CTAID at each use; the compact kernel's comes from the search (`body`), and
+        a register holding it through the loop would compete with the dK / dV accumulators.  So the compact
+        kernel loads it from shared memory (`sTile`, written before the pipelines' barrier) at each use; the
+        loop's barriers keep those loads inside the loop.  (Session 16's compact kernel, in which every warp
+        searched and kept the result, spilled 19 values in the loop; this one spills 3 at hd128.)"""
         if cutlass.const_expr(sTile is None):
             return n_block
         return sTile[1]
