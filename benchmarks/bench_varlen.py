@@ -15,6 +15,9 @@ knows), launches far more tiles than it has. This benchmark times such batches t
 and, for scale, ``jax.nn.dot_product_attention(implementation="cudnn")`` on the same documents padded to
 the longest one (``query_seq_lengths``), which is what the batch costs without packing.
 
+Further kinds (``--kinds``): ``short`` (documents of 64-512 tokens) and ``part_full`` (log-normal documents
+filling three quarters of the buffer, the rest a tail of padding rows).
+
 bf16, 16k tokens, heads = 2048 / head dim. FLOPs count only visible pairs (causal: l (l + 1) / 2 per
 document and head), 2.5x for forward+backward's extra work. Timing as in ``bench_forward.py``.
 Columns: TFLOP/s; ``tiles`` is the launched query tiles of the forward (ceil(max_seqlen/128) per
@@ -41,11 +44,19 @@ def doc_lengths(kind: str, rng) -> list[int]:
     return [2048] * (TOKENS // 2048)
   if kind == "one_long":            # one long document and many short ones
     return [8192] + [128] * ((TOKENS - 8192) // 128)
-  if kind == "long_tail":           # log-normal lengths (median ~400), as in packed pre-training data
+  if kind in ("long_tail", "part_full"):  # log-normal lengths (median ~400), as in packed pre-training data;
+    fill = TOKENS if kind == "long_tail" else TOKENS * 3 // 4  # part_full: a quarter of the buffer is tail
+    lens, total = [], 0
+    while total < fill:
+      ln = int(np.clip(rng.lognormal(np.log(400), 1.2), 16, 8192))
+      ln = min(ln, fill - total)
+      lens.append(ln)
+      total += ln
+    return lens
+  if kind == "short":               # many short documents (64-512 tokens): little work per output row
     lens, total = [], 0
     while total < TOKENS:
-      ln = int(np.clip(rng.lognormal(np.log(400), 1.2), 16, 8192))
-      ln = min(ln, TOKENS - total)
+      ln = min(int(rng.integers(64, 513)), TOKENS - total)
       lens.append(ln)
       total += ln
     return lens
@@ -56,7 +67,8 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_varlen.json"))
   ap.add_argument("--dims", default="128")
-  ap.add_argument("--kinds", default="balanced,one_long,long_tail")
+  ap.add_argument("--kinds", default="balanced,one_long,long_tail",
+                  help="comma-separated among balanced, one_long, long_tail, short, part_full")
   ap.add_argument("--no-cudnn", action="store_true")
   ap.add_argument("--quick", action="store_true", help="causal only, forward only")
   ap.add_argument("--passes", default="fwd,fwd+bwd", help="which of fwd, fwd+bwd to time")

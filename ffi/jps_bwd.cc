@@ -3,8 +3,9 @@
 // Target "jax_padsafe_bwd" (platform CUDA), FFI API of the oldest supported jaxlib (0.10.2 -> 0.3).
 //   initialize: loads the backward kernel modules for this device's architecture (once, mutex).
 //   execute:    validates shapes; zero-fills the Delta workspace and dq, dk, dv (stream-ordered memsets:
-//               padded rows are zero by construction, nothing is left to the allocator; the gradients'
-//               memsets are skipped when the sm90 kernels' tiles cover every row, see rows_covered); launches
+//               padded rows are zero by construction, nothing is left to the allocator; under the sm90
+//               kernels the gradients' memsets are skipped where the tiles cover every row, see rows_covered,
+//               and otherwise replaced by zeroing only the rows the tiles miss, see jps_zero_rows.h); launches
 //               preprocess (Delta), dK/dV (or, for variants with a `dk` entry, a dV pass then a dK pass),
 //               dQ.  Families 0/1: no atomics, no fp32 global accumulator.  Family 2 (fused dQ, chosen when
 //               the caller passes a large enough `dq_workspace`): the dK/dV kernel adds fp32 dQ partials
@@ -20,6 +21,7 @@
 #include "jps_bwd_args.h"
 #include "jps_log_variant.h"
 #include "jps_bwd_registry.h"  // generated: kJpsBwdVariants, kJpsNumBwdVariants
+#include "jps_zero_rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -62,6 +64,7 @@ ffi::Error BwdLoad(int arch) {
     if (v.arch != arch) continue;
     v.load();
   }
+  JpsZeroRowsLoad(arch);
   (void)err;
   // Load errors go through jps_note_cuda_error (jps_fwd.cc); a failed load shows up as a launch error.
   g_bwd_loaded[arch] = true;
@@ -178,18 +181,44 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   // The sm90 family writes every row of its dQ and dK/dV tiles up to the sequence's slot end
   // (cu_seqlens[b+1]), rows past the used length and tiles nothing sees as zeros.  When the caller
   // promises those tiles cover every row (rows_covered: the dense padded layout), the three memsets
-  // (a full extra write of each gradient) are skipped.
+  // (a full extra write of each gradient) are skipped.  Otherwise (packed layouts) the row-zeroing kernel
+  // writes zeros to only the rows the tiles miss (lead, tail, slot rows past max_seqlen), before the kernels
+  // run: the memsets' result for a fraction of their writes.
   // Family 2 writes every dq row itself (the conversion covers [0, total_q), and the zero-filled accumulator
   // only ever receives exact zeros outside the valid rows), so dq is never memset; its workspace always is.
   const bool fused = var->family == 2;
-  if (fused) {
+  const bool sm90 = var->family == 1 || fused;
+  const bool zero_rows = sm90 && !rows_covered && JpsZeroRowsAvailable(arch);
+  auto zero_missed_rows = [&](void *a, void *b, int64_t rows, int64_t heads, const int32_t *cu, int32_t bound) -> ffi::Error {
+    int32_t rc = JpsZeroUncoveredRows(arch, a, b, rows, heads * H * 2, cu, B, bound, stream);
+    if (rc != 0) return ffi::Error::Internal(std::string("jax_padsafe_bwd: row zeroing: ") + cudaGetErrorString((cudaError_t)rc));
+    return ffi::Error::Success();
+  };
+  if (fused)
     if (ffi::Error e = zero(dq_workspace->untyped_data(), size_t(accum_count + sem_count) * 4); e.failure()) return e;
-    if (!rows_covered) {
-      if (ffi::Error e = zero(dk->untyped_data(), dk->size_bytes()); e.failure()) return e;
-      if (ffi::Error e = zero(dv->untyped_data(), dv->size_bytes()); e.failure()) return e;
+  if (JpsPoisonOutputs()) {  // test hook (jps_zero_rows.h): outputs no memset covers start as NaN
+    auto poison = [&](ffi::Result<ffi::AnyBuffer> &x) -> ffi::Error {
+      cudaError_t err = cudaMemsetAsync(x->untyped_data(), 0xFF, x->size_bytes(), stream);
+      if (err != cudaSuccess) return ffi::Error::Internal(std::string("jax_padsafe_bwd: poison: ") + cudaGetErrorString(err));
+      return ffi::Error::Success();
+    };
+    if (fused || (sm90 && (rows_covered || zero_rows)))
+      if (ffi::Error e = poison(dq); e.failure()) return e;
+    if (sm90 && (rows_covered || zero_rows)) {
+      if (ffi::Error e = poison(dk); e.failure()) return e;
+      if (ffi::Error e = poison(dv); e.failure()) return e;
     }
-  } else if (!(rows_covered && var->family == 1)) {
-    if (ffi::Error e = zero_grads(); e.failure()) return e;
+  }
+  if (!fused && zero_rows) {  // (the fused family's dq is written whole by its conversion kernel)
+    if (ffi::Error e = zero_missed_rows(dq->untyped_data(), nullptr, total_q, N, cu_q.typed_data(), max_seqlen_q); e.failure()) return e;
+  } else if (!fused && !(rows_covered && sm90)) {
+    if (ffi::Error e = zero(dq->untyped_data(), dq->size_bytes()); e.failure()) return e;
+  }
+  if (zero_rows) {
+    if (ffi::Error e = zero_missed_rows(dk->untyped_data(), dv->untyped_data(), total_k, K, cu_k.typed_data(), max_seqlen_k); e.failure()) return e;
+  } else if (!(rows_covered && sm90)) {
+    if (ffi::Error e = zero(dk->untyped_data(), dk->size_bytes()); e.failure()) return e;
+    if (ffi::Error e = zero(dv->untyped_data(), dv->size_bytes()); e.failure()) return e;
   }
 
   const float log2e = 1.4426950408889634f;

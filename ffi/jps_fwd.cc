@@ -2,9 +2,10 @@
 //
 // Target "jax_padsafe_fwd" (platform CUDA), FFI API of the oldest supported jaxlib (0.10.2 -> 0.3).
 //   initialize: loads the kernel modules for this device's architecture (once, behind a mutex).
-//   execute:    validates shapes, zero-fills lse and (unless the kernel's tiles cover every row, see
-//               rows_covered) O with stream-ordered memsets, picks the variant from the compute
-//               capability and the call's static parameters, launches.
+//   execute:    validates shapes, zero-fills lse with a stream-ordered memset, picks the variant from the
+//               compute capability and the call's static parameters, zeroes O where the kernel does not
+//               write every row (a memset; under the sm90 kernel only the rows its tiles miss, or nothing
+//               when rows_covered), launches.
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -15,6 +16,7 @@
 #include "jps_fwd_args.h"
 #include "jps_log_variant.h"
 #include "jps_registry.h"  // generated: kJpsFwdVariants, kJpsNumFwdVariants
+#include "jps_zero_rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -79,6 +81,7 @@ ffi::Error LoadModulesFor(int arch) {
     const JpsFwdVariant &v = kJpsFwdVariants[i];
     if (v.arch == arch) v.load(v.module);
   }
+  JpsZeroRowsLoad(arch);
   if (g_load_error != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_padsafe: loading kernel modules failed: ") + cudaGetErrorString(g_load_error));
   g_arch_loaded[arch] = true;
@@ -166,9 +169,21 @@ ffi::Error FwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   // O: the sm90 family writes every row of its tiles up to the sequence's slot end
   // (cu_seqlens_q[b+1]), rows past the used length as zeros.  When the caller promises that those
   // tiles cover every row (rows_covered: the dense padded layout), that is all of O and its memset
-  // (a full extra write of O, ~5% of a 2k forward) is skipped; otherwise O is zeroed first.
-  if (!(rows_covered && var->family == 1))
+  // (a full extra write of O, ~5% of a 2k forward) is skipped.  Otherwise (packed layouts) the
+  // row-zeroing kernel writes zeros to the rows the tiles miss (lead, tail, slot rows past max_seqlen_q)
+  // first; the SM80-class kernel writes valid rows only, so O is memset for it.
+  const bool o_tiles_cover = var->family == 1 && rows_covered;
+  const bool o_zero_rows = var->family == 1 && !rows_covered && JpsZeroRowsAvailable(arch);
+  if (JpsPoisonOutputs() && (o_tiles_cover || o_zero_rows))
+    if (cudaError_t err = cudaMemsetAsync(o->untyped_data(), 0xFF, o->size_bytes(), stream); err != cudaSuccess)
+      return ffi::Error::Internal(std::string("jax_padsafe_fwd: poison: ") + cudaGetErrorString(err));
+  if (o_zero_rows) {
+    int32_t rc = JpsZeroUncoveredRows(arch, o->untyped_data(), nullptr, total_q, N * H * 2, cu_q.typed_data(), B,
+                                      max_seqlen_q, stream);
+    if (rc != 0) return ffi::Error::Internal(std::string("jax_padsafe_fwd: row zeroing: ") + cudaGetErrorString((cudaError_t)rc));
+  } else if (!o_tiles_cover) {
     if (ffi::Error e = zero(o->untyped_data(), o->size_bytes()); e.failure()) return e;
+  }
 
   const float log2e = 1.4426950408889634f;
   JpsFwdArgs a{};

@@ -50,6 +50,22 @@ class FwdVariant:
         return SM90_TILES[self.head_dim] if self.family == "sm90" else TILES[self.head_dim]
 
 
+@dataclass(frozen=True)
+class ZeroRowsKernel:
+    """row_zeroing.ZeroUncoveredRows for one arch and 1 or 2 outputs; built where the sm90 family is (the only
+    kernels that write every row of their tiles, so the only ones that can go without an output memset)."""
+    arch: str
+    num_outputs: int
+
+    @property
+    def prefix(self) -> str:
+        return f"jps_zero_rows{self.num_outputs}_{self.arch}"
+
+
+def zero_rows_kernels(archs=ARCHS, sm90=False):
+    return [ZeroRowsKernel("sm_90a", n) for n in (1, 2)] if sm90 and "sm_90a" in archs else []
+
+
 def matrix(archs=ARCHS, dtypes=DTYPES, head_dims=HEAD_DIMS, softcap=SOFTCAP, sm90=False):
     """Every sm80-family variant, plus (sm90=True) the sm90-family variants of the sm_90a build."""
     out = [FwdVariant(a, d, h, c) for a in archs for d in dtypes for h in head_dims for c in softcap]

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_padsafe._cute import bwd_ops, ops
-from tests.gpu.check_forward import (COMPACT_LAYOUT, DENSE_FEATURES, DENSE_LENS, DT, POISONS, dense_batch, many_layout,
-                                     packed_batch, pad_rows, poison)
+from tests.gpu.check_forward import (COMPACT_LAYOUT, DENSE_FEATURES, DENSE_LENS, DT, OVERLONG_BOUND, OVERLONG_LAYOUT,
+                                     POISONS, dense_batch, many_layout, packed_batch, pad_rows, poison)
 from tests.gpu.reference import attention_rows, visible_mask
 
 
@@ -65,9 +65,10 @@ def ref_backward(q, k, v, do, dlse, cu_q, cu_k, uq, uk, *, scale, causal, bottom
 
 
 def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons,
-             scale=None, dirty=False, rows_covered=False, loose_bound=False, ref_xp=jnp):
+             scale=None, dirty=False, rows_covered=False, loose_bound=False, ref_xp=jnp, bound=None):
     """ref_xp: where the float64 reference runs, jax.numpy on the GPU (default) or numpy on the host (for many
-    short sequences, which jax.numpy would compile one shape at a time)."""
+    short sequences, which jax.numpy would compile one shape at a time).  bound: both max_seqlens, as in
+    check_forward.run_case."""
     jdt, ldt = DT[dtype]
     H = q.shape[2]
     scale = 1.0 / np.sqrt(H) if scale is None else scale
@@ -77,6 +78,8 @@ def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, 
     mxk = int(np.max(np.diff(cu_k))) if len(uk) else 0
     if loose_bound:  # as check_forward.run_case: the compact tile schedule
         mxq, mxk = q.shape[0], k.shape[0]
+    if bound is not None:
+        mxq = mxk = bound
     wl = -1 if left is None else left
     wr = -1 if right is None else right
     meta = [jnp.asarray(x) for x in (cu_q, cu_k, uq, uk)]
@@ -336,7 +339,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated case groups to run (gqa7, dense, compact, many "
-                    "(compact's 1100-sequence case alone), long; default: all)")
+                    "(compact's 1100-sequence case alone), overlong, long; default: all)")
     ap.add_argument("--json")
     ap.add_argument("--lowering", action="store_true", help="only the CPU-side lowering check (no GPU needed)")
     ap.add_argument("--head-dims", help="comma-separated head dims (default: every built one)")
@@ -373,7 +376,7 @@ def main():
     for dtype in dtypes:
         for H in dims:
             batch = packed_batch(rng, q_lens=[0, 1, 127, 129, 300, 64], k_lens=[5, 1, 127, 129, 333, 0],
-                                 q_gaps=[3, 0, 1, 7, 0, 2], k_gaps=[0, 2, 1, 0, 9, 4], tail=11, N=28, K=4, H=H)
+                                 q_gaps=[3, 0, 1, 7, 0, 2], k_gaps=[0, 2, 1, 0, 9, 4], tail=11, lead=5, N=28, K=4, H=H)
             for i, fname in enumerate(feats if group("gqa7") else ()):
                 r = run_case(f"gqa7_{fname}", dtype, *batch, rng=rng, poisons=poisons, dirty=(i == 0),
                              **FEATURES[fname])
@@ -406,6 +409,16 @@ def main():
                      poisons=("nan", "huge"), loose_bound=True, ref_xp=np, **FEATURES["causal_br"])
         results.append(r)
         print(("FAIL " if r["fails"] else "ok   ") + f"{dtype} hd{H} {r['name']}: {r['errs']} {r['fails']}", flush=True)
+    # Slots longer than the kernels' bound (check_forward.OVERLONG_LAYOUT): dense grids, then the compact ones.
+    for dtype, H in [(d, h) for d in dtypes[:1] for h in dims if group("overlong")]:
+        batch = packed_batch(rng, N=8, K=2, H=H, **OVERLONG_LAYOUT)
+        for fname, extra in (("causal_br", dict(bound=OVERLONG_BOUND)), ("plain", dict(bound=OVERLONG_BOUND)),
+                             ("causal_tl", dict(loose_bound=True))):
+            r = run_case(f"overlong_{'loose_' if 'loose_bound' in extra else ''}{fname}", dtype, *batch, rng=rng,
+                         poisons=("nan",), dirty=True, **extra, **FEATURES[fname])
+            results.append(r)
+            print(("FAIL " if r["fails"] else "ok   ") + f"{dtype} hd{H} {r['name']}: {r['errs']} {r['fails']}",
+                  flush=True)
     longs = (("bf16", 128),) if a.quick else (("bf16", 64), ("bf16", 128), ("fp16", 128), ("bf16", 192),
                                                ("bf16", 256), ("fp16", 256))
     for dtype, H in longs:

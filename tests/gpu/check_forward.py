@@ -11,12 +11,17 @@ gaps (seqused < segment), rows past cu_seqlens[-1] and GQA 28 q heads over 4 kv 
   * the same after NaN-filled buffers were allocated and freed (dirty allocator), and on the dense padded
     layout with rows_covered=True, where the handler skips the memset of o and the kernel writes the zeros;
   * |ours - ref64| <= 2 |naive_lowp - ref64| + 1e-3 (max over valid entries), for o and lse;
-  * a batch large enough that the Hopper kernel runs several query tiles per CTA ("multitile_*").
+  * a batch large enough that the Hopper kernel runs several query tiles per CTA ("multitile_*");
+  * slots longer than max_seqlen, a lead and a tail ("overlong_*"), whose rows past the tiles the row-zeroing
+    kernel writes in place of a memset (ffi/jps_zero_rows.h).
+Outputs the library does not memset start as NaN (JAX_PADSAFE_POISON_OUTPUTS=1, set by tests/gpu/__init__.py;
+"poison_hook" checks that it took effect), so every exact-zero check also checks that some kernel wrote the row.
 Exit status 0 iff everything passed.
 """
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -58,6 +63,16 @@ COMPACT_LAYOUT = dict(q_lens=[0, 1300, 1, 127, 129, 0, 64, 3, 200], k_lens=[4, 7
                       q_gaps=[3, 0, 1, 7, 0, 2, 0, 129, 0], k_gaps=[0, 2, 1, 0, 9, 4, 0, 1, 0], tail=11, lead=300)
 
 
+# Slots longer than the bound the kernels are given (OVERLONG_BOUND >= every used length): what a jitted step with
+# traced offsets and a sequence past max_seqlen gets, and the segment-id runs (a batch row's last run reaches into
+# the next row).  The tiles cover ceil(bound / block) tiles per slot, so the rows of slots 0, 1 and 2 past the
+# bound, the lead and the tail are the row-zeroing kernel's (ffi/jps_zero_rows.h) with the dense grid; with
+# loose_bound=True the compact grid covers every slot row instead.
+OVERLONG_LAYOUT = dict(q_lens=[100, 37, 0, 128, 5], k_lens=[90, 128, 3, 60, 0], q_gaps=[300, 200, 150, 1, 0],
+                       k_gaps=[0, 260, 140, 3, 200], tail=7, lead=20)
+OVERLONG_BOUND = 128
+
+
 def many_layout(n=1100, seed=17):
     """The compact cases' second layout: n short sequences (0-40 rows, one of 300 queries and one of 300 keys)
     with gaps, a lead and a tail.  The compact search tests 32 candidates per round, so 1100 sequences take
@@ -86,11 +101,11 @@ def poison(x, pad, kind, rng):
 
 
 def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, left, right, softcap, rng, poisons,
-             scale=None, rows_covered=False, loose_bound=False, ref_xp=None):
+             scale=None, rows_covered=False, loose_bound=False, ref_xp=None, bound=None):
     """loose_bound: max_seqlen_q/k = the packed lengths (the API's default), not the longest sequence, which
-    makes the kernels take the compact tile schedule (kernels/bounds.py) when it halves the grid.  ref_xp: numpy
-    forces the float64 reference onto the host (for many short sequences, which jax.numpy would compile one
-    shape at a time)."""
+    makes the kernels take the compact tile schedule (kernels/bounds.py) when it halves the grid.  bound: both
+    max_seqlens (below the longest slot, at least the longest used length).  ref_xp: numpy forces the float64
+    reference onto the host (for many short sequences, which jax.numpy would compile one shape at a time)."""
     jdt, ldt = DT[dtype]
     H = q.shape[2]
     scale = 1.0 / np.sqrt(H) if scale is None else scale
@@ -105,6 +120,8 @@ def run_case(name, dtype, q, k, v, cu_q, cu_k, uq, uk, *, causal, bottom_right, 
     mxk = int(np.max(np.diff(cu_k))) if len(uk) else 0
     if loose_bound:
         mxq, mxk = q.shape[0], k.shape[0]
+    if bound is not None:
+        mxq = mxk = bound
     f = jax.jit(lambda *a: ops.flash_forward(
         *a, max_seqlen_q=mxq, max_seqlen_k=mxk, scale=scale, causal=causal, bottom_right=bottom_right,
         window_left=-1 if left is None else left, window_right=-1 if right is None else right, softcap=softcap or 0.0,
@@ -174,6 +191,31 @@ def check_vmap(rng):
                 lse_naive_err=0.0, fails=fails)
 
 
+def check_poison_hook(rng):
+    """The checks' premise: outputs the library does not memset start as NaN (JAX_PADSAFE_POISON_OUTPUTS=1, set by
+    tests/gpu/__init__.py).  A call that falsely promises rows_covered on a layout with a tail makes the Hopper
+    kernel's handler skip both the memset and the row zeroing, so the tail rows of o must come back NaN; were
+    they 0, a row no kernel writes could pass every other check here.  Only the sm90 forward skips memsets, so
+    elsewhere (JAX_PADSAFE_SM90=0, other GPUs) the tail must be 0 instead."""
+    q, k, v, cu_q, cu_k, uq, uk = packed_batch(rng, [50, 130], [70, 129], [1, 0], [0, 2], 9, N=8, K=2, H=128)
+    meta = [jnp.asarray(x) for x in (cu_q, cu_k, uq, uk)]
+    o, _ = jax.jit(lambda qq, kk, vv: ops.flash_forward(
+        qq, kk, vv, *meta, max_seqlen_q=130, max_seqlen_k=129, scale=0.1, causal=False, bottom_right=False,
+        window_left=-1, window_right=-1, softcap=0.0, rows_covered=True))(
+            *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)))
+    tail = np.asarray(o.astype(jnp.float32))[int(cu_q[-1]):]
+    hopper = getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+    sm90 = hopper and os.environ.get("JAX_PADSAFE_SM90", "1") != "0"
+    hooked = os.environ.get("JAX_PADSAFE_POISON_OUTPUTS") == "1"
+    fails = []
+    if sm90 and hooked and not np.all(np.isnan(tail)):
+        fails.append("poison hook inactive: unwritten rows of o are not NaN")
+    if not sm90 and np.any(tail != 0):
+        fails.append("memset o has nonzero tail rows")
+    return dict(name="poison_hook", dtype="bf16", head_dim=128, o_err=0.0, o_naive_err=0.0, lse_err=0.0,
+                lse_naive_err=0.0, fails=fails)
+
+
 FEATURES = {
     "plain": dict(causal=False, bottom_right=False, left=None, right=None, softcap=0.0),
     "causal_tl": dict(causal=True, bottom_right=False, left=None, right=None, softcap=0.0),
@@ -191,7 +233,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated case groups to run (gqa7, dense, long, multitile, "
-                    "compact, many (compact's 1100-sequence case alone), vmap; default: all)")
+                    "compact, many (compact's 1100-sequence case alone), overlong, vmap, hook; default: all)")
     ap.add_argument("--json")
     ap.add_argument("--no-long", action="store_true", help="skip the ~4k-token cases")
     ap.add_argument("--dims", default="", help="comma-separated head dims (default: all, or 64,128 with --quick)")
@@ -216,7 +258,7 @@ def main():
     for dtype in dtypes:
         for H in dims:
             batch = packed_batch(rng, q_lens=[0, 1, 127, 129, 300, 64], k_lens=[5, 1, 127, 129, 333, 0],
-                                 q_gaps=[3, 0, 1, 7, 0, 2], k_gaps=[0, 2, 1, 0, 9, 4], tail=11, N=28, K=4, H=H)
+                                 q_gaps=[3, 0, 1, 7, 0, 2], k_gaps=[0, 2, 1, 0, 9, 4], tail=11, lead=5, N=28, K=4, H=H)
             for fname in feats if group("gqa7") else ():
                 results.append(run_case(f"gqa7_{fname}", dtype, *batch, rng=rng, poisons=poisons, **FEATURES[fname]))
             # The dense padded layout with rows_covered=True (the lengths path of the API): no memset of o.
@@ -258,8 +300,19 @@ def main():
         batch = packed_batch(rng, N=4, K=2, H=H, **many_layout())
         results.append(run_case("compact_many_causal_br", dtype, *batch, rng=rng, poisons=("nan", "huge"),
                                 loose_bound=True, ref_xp=np, **FEATURES["causal_br"]))
+    # Slots longer than the kernels' bound, with the dense grid (rows past the bound: the row-zeroing kernel's) and
+    # the compact one, every head dim.
+    for dtype, H in [(d, h) for d in dtypes[:1] for h in dims if group("overlong")]:
+        batch = packed_batch(rng, N=8, K=2, H=H, **OVERLONG_LAYOUT)
+        for fname in ("causal_br", "plain") if a.quick else ("plain", "causal_br", "window_causal_br"):
+            results.append(run_case(f"overlong_{fname}", dtype, *batch, rng=rng, poisons=("nan",),
+                                    bound=OVERLONG_BOUND, **FEATURES[fname]))
+        results.append(run_case("overlong_loose_causal_tl", dtype, *batch, rng=rng, poisons=("nan",),
+                                loose_bound=True, **FEATURES["causal_tl"]))
     if 128 in dims and "bf16" in dtypes and group("vmap"):  # the vmap check runs hd128 bf16
         results.append(check_vmap(rng))
+    if 128 in dims and "bf16" in dtypes and group("hook"):
+        results.append(check_poison_hook(rng))
     nfail = 0
     for r in results:
         status = "PASS" if not r["fails"] else "FAIL " + "; ".join(r["fails"])
