@@ -590,7 +590,8 @@ def _block_route(cfg, q_seg, k_seg, q_pos, k_pos):
 
 
 def _kernel_static(cfg, causal, tq, tk):
-  # Runs from segment ids leave gaps between them: the kernels must memset their outputs.
+  # Runs from segment ids leave gaps between them: the rows no tile covers must be zeroed by the library
+  # (a memset, or on Hopper the row-zeroing kernel), not promised covered.
   spec = dataclasses.replace(cfg.spec, causal=causal, bottom_right=False, max_seqlen_q=tq,
                              max_seqlen_k=tk, dense_rows=False)
   return _backends._kernel_static_args(spec)  # pylint: disable=protected-access

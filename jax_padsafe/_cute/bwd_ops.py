@@ -125,7 +125,9 @@ def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, sequse
 
     `rows_covered=True` promises that cu_seqlens_q/k start at 0, end at total_q/total_k, and have no
     segment longer than max_seqlen_q/k: then the kernels' tiles cover every row, and kernels that zero
-    their tiles' rows past the used length (the sm90 family) skip the memsets of dq, dk, dv."""
+    their tiles' rows past the used length (the sm90 family) skip the memsets of dq, dk, dv.  With False
+    (the default) the sm90 family zeroes only the rows its tiles miss (ffi/jps_zero_rows.h), the SM80-class
+    one memsets dq, dk, dv."""
     _check(q.ndim == 3 and k.ndim == 3 and v.ndim == 3, ValueError,
            f"q, k, v must be [total, heads, head_dim], got ranks {q.ndim}, {k.ndim}, {v.ndim}")
     total_q, n, h = q.shape

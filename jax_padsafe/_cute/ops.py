@@ -155,7 +155,8 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, 
     `rows_covered=True` promises that cu_seqlens_q starts at 0 and ends at total_q (with no segment
     longer than max_seqlen_q, as above): then the kernel's tiles cover every row of o, and kernels that
     zero their tiles' rows past the used length (the sm90 family) skip the memset of o.  With False
-    (the default) o is always zeroed first."""
+    (the default) the rows no tile reaches are zeroed first: by a memset of o, or under the sm90 family by
+    a kernel that writes only those rows (ffi/jps_zero_rows.h)."""
     _check(q.ndim == 3 and k.ndim == 3 and v.ndim == 3, ValueError,
            f"q, k, v must be [total, heads, head_dim], got ranks {q.ndim}, {k.ndim}, {v.ndim}")
     total_q, n, h = q.shape

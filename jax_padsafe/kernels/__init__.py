@@ -10,6 +10,7 @@ Modules:
 - `masking`  : the visibility mask applied to a score tile with selects
 - `softmax`  : online softmax that never evaluates exp(-inf - -inf), and its finalisation (O scale, lse)
 - `fwd_sm80` : the SM80-class (mma.sync + cp.async) forward kernel built from the pieces above
+- `row_zeroing`: zeros the output rows no Hopper kernel tile writes (packed layouts), in place of memsets
 - `variants` : the variant matrix (dtype x head dim x softcap) and symbol naming shared with `ffi/`
 - `build`    : the AOT build script
 """

@@ -27,6 +27,7 @@ import traceback
 
 import jax
 
+import tests.gpu  # noqa: F401  (JAX_PADSAFE_POISON_OUTPUTS=1: outputs not memset start as NaN)
 from tests import helpers
 from tests import test_fuzz
 from tests import test_varlen

@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_padsafe
 from jax_padsafe import sharding
+import tests.gpu  # noqa: F401  (JAX_PADSAFE_POISON_OUTPUTS=1: outputs not memset start as NaN)
 from tests import helpers, oracle
 
 _COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
