@@ -10,7 +10,7 @@ The rows left are the lead before cu[0], the tail from cu[B] on, and the rows of
 (a sequence longer than the bound under traced offsets; the runs of segment ids, whose last run of a batch row
 reaches into the next row).  `ZeroUncoveredRows` writes zeros to exactly those rows (`row_outside_tiles`) and
 touches nothing else, so on a packed batch with no lead or tail it only reads the offsets: a few microseconds
-where the memset of a 16k-token hd128 output writes 64 MB (~22 us on an H100).  The handlers launch it before
+where the memset of a 16k-token, 16-head hd128 output writes 64 MB (~22 us on an H100).  The handlers launch it before
 the attention kernel, in stream order, so the result is the memset's: the kernel's rows, zeros everywhere else.
 
 The outputs are seen as rows of 16-byte words (a row is every head of one token: N x head_dim x 2 bytes, a
@@ -52,33 +52,36 @@ class ZeroUncoveredRows:
     16-byte word = 4 Int32); with num_outputs = 1, mB is ignored (pass mA again).  mCu is cu_seqlens [batch + 1]
     and `bound` the max_seqlen the attention kernel was launched with.
 
-    Each lane of a warp tests one of 32 consecutive rows; the warp then writes its marked rows one after the
-    other, each row with 16-byte stores of consecutive words by the 32 lanes (512 contiguous bytes per store
-    instruction)."""
+    A CTA owns 32 consecutive rows.  Every warp tests them, one row per lane, and so holds the same ballot of
+    marked rows (the 8 searches share their loads through L1); then all 256 threads write each marked row
+    together, one 16-byte store per thread per 4 KB of row.  A tail of padding rows is thereby spread over as
+    many CTAs as it has 32-row groups, each with a full CTA of stores in flight.  A first version gave each warp 32
+    rows of its own to write, so a 4096-row tail kept only 32 CTAs busy: on a 16k-token buffer a quarter empty
+    (H100, forward+backward, bench_varlen part_full) it saved 24-36 us of the ~66 us the memsets cost, this one
+    41-54 us."""
 
-    num_warps = 4
+    num_threads = 256
+    rows_per_cta = 32
 
     def __init__(self, num_outputs: int):
         assert num_outputs in (1, 2)
         self.num_outputs = num_outputs
-        self.rows_per_cta = 32 * self.num_warps
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mCu: cute.Tensor, bound: cutlass.Int32,
                  stream: cuda.CUstream):
         grid = (cute.ceil_div(cute.size(mA.shape[0]), self.rows_per_cta), 1, 1)
-        self.kernel(mA, mB, mCu, bound).launch(grid=grid, block=[32 * self.num_warps, 1, 1], stream=stream)
+        self.kernel(mA, mB, mCu, bound).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mCu: cute.Tensor, bound: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         total = cute.size(mA.shape[0])
         words = cute.size(mA.shape[1])
         batch = cute.size(mCu.shape[0]) - 1
-        first = cta * self.rows_per_cta + warp * 32
+        first = cta * self.rows_per_cta
         row = first + lane
         outside = cutlass.Boolean(False)
         if row < total:
@@ -87,10 +90,10 @@ class ZeroUncoveredRows:
         zero = cute.make_rmem_tensor(4, cutlass.Int32)
         zero.fill(0)
         if marked != 0:
-            for i in cutlass.range(32, unroll=1):
+            for i in cutlass.range(self.rows_per_cta, unroll=1):
                 if (marked >> i) & 1 != 0:
                     r = first + i
-                    for w in cutlass.range(lane, words, 32, unroll=1):
+                    for w in cutlass.range(tidx, words, self.num_threads, unroll=1):
                         cute.autovec_copy(zero, mA[r, w, None])
                         if cutlass.const_expr(self.num_outputs == 2):
                             cute.autovec_copy(zero, mB[r, w, None])
