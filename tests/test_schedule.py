@@ -8,7 +8,9 @@ The kernels run `bounds.compact_tile` on the GPU (tests/gpu/check_forward.py and
   a hole (a tile at or past its slot's end, which the kernels skip);
 * every compact index is below `compact_tiles_per_head` (total rows // block + batch), the grid the host
   launches without reading the offsets;
-* the search takes at most ceil(log32(batch)) rounds.
+* the search takes at most ceil(log32(batch)) rounds;
+* the rows the row-zeroing kernel finds (`kernels/row_zeroing.py`) and the rows either grid's tiles write make up
+  every row, and no valid row is zeroed (the claim behind skipping the memsets of the outputs).
 """
 
 import numpy as np
@@ -78,3 +80,60 @@ def test_compact_schedule_halves_a_skewed_grid():
   assert 2 * compact <= dense                 # taken: 193 tiles per head instead of 4160
   balanced = [2048] * 8                       # a balanced batch keeps the dense grid (and its kernel)
   assert not 2 * (sum(balanced) // BLOCK + 8) <= -(-2048 // BLOCK) * 8
+
+
+# --------------------------------------------------------------------------------------------------------
+# The row zeroing (`jax_padsafe/kernels/row_zeroing.py`): on packed layouts the handlers skip the memsets of
+# O, dQ, dK, dV under the Hopper kernels and zero only the rows `row_outside_tiles` finds.  That is the
+# memset's result only if those rows and the rows the tiles write together make up every row, for either
+# grid, and if the zeroed rows never include a valid one.  The GPU checks run the kernels themselves with
+# NaN-filled outputs (JAX_PADSAFE_POISON_OUTPUTS=1); here NumPy models check the claim for random layouts.
+
+
+def row_outside_tiles_model(cu, batch, row, bound):
+  """NumPy model of row_zeroing.row_outside_tiles (the same bracketing search)."""
+  if not (cu[0] <= row < cu[batch]):
+    return True
+  lo, hi = 0, batch
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    if cu[mid] <= row:
+      lo = mid
+    else:
+      hi = mid
+  assert cu[lo] <= row < cu[lo + 1]
+  return row - cu[lo] >= bound
+
+
+def rows_of_tiles(cu, batch, tiles_of, block):
+  """Rows the kernels write: tile m of sequence b writes [cu[b] + m block, cu[b] + (m + 1) block) clipped to its
+  slot end (valid rows computed, the rest as zeros)."""
+  rows = set()
+  for b in range(batch):
+    for m in tiles_of(b):
+      rows.update(range(int(cu[b]) + m * block, min(int(cu[b]) + (m + 1) * block, int(cu[b + 1]))))
+  return rows
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("block", [64, 80, 112, 128])
+def test_row_zeroing_and_tiles_cover_every_row(seed, block):
+  rng = np.random.default_rng(100 + seed)
+  batch = int(rng.choice([1, 2, 7, 40]))
+  cu, total = random_layout(rng, batch, int(rng.choice([50, 300, 1300])))
+  slots = np.diff(cu)
+  # The bound the kernels get: at least every used length; below the longest slot in half the draws (traced
+  # offsets with a sequence past max_seqlen, segment-id runs), the buffer's length in some.
+  used = np.minimum(slots, rng.integers(0, slots.max(initial=0) + 1, batch))
+  bound = int(rng.choice([max(int(used.max(initial=0)), 1), max(int(slots.max(initial=0)), 1), total]))
+  used = np.minimum(used, bound)
+  zeroed = {r for r in range(total) if row_outside_tiles_model(cu, batch, r, bound)}
+  dense = rows_of_tiles(cu, batch, lambda b: range(-(-bound // block)), block)
+  compact = rows_of_tiles(cu, batch, lambda b: range(-(-int(slots[b]) // block)), block)
+  valid = {int(cu[b]) + i for b in range(batch) for i in range(int(used[b]))}
+  for grid in (dense, compact):
+    assert grid | zeroed == set(range(total))
+    assert grid <= set(range(total))
+  # Rows both zeroed and in a tile (a dense tile reaching past the bound into a longer slot) are padding: the
+  # tile writes them as zeros too, after the row zeroing (stream order), so the result is still exact zeros.
+  assert not zeroed & valid
