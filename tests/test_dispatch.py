@@ -68,9 +68,10 @@ def test_lengths_path_promises_covered_rows_and_skips_input_sanitising(kernels_b
   assert re.findall(r"stablehlo\.select", _lowered(jax.grad(loss, (0, 1, 2)), *_qkv(), platform="cpu"))
 
 
-def test_gapped_layouts_keep_the_memset(kernels_built):
+def test_gapped_layouts_are_not_promised_covered(kernels_built):
   """Packed varlen rows (a tail past cu_seqlens[-1] is allowed) and segment-id runs (gaps between runs)
-  are not covered by the kernels' tiles: rows_covered=0, the handler zeroes the outputs first."""
+  are not covered by the kernels' tiles: rows_covered=0, so the handler zeroes the rows no tile writes
+  first (a memset, or on Hopper the row-zeroing kernel, ffi/jps_zero_rows.h)."""
   q = jax.ShapeDtypeStruct((40, 8, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((40, 2, 64), jnp.bfloat16)
   cu = jnp.array([0, 10, 31], jnp.int32)

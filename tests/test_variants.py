@@ -30,3 +30,24 @@ def test_registry_rows(tmp_path):
         ["90", "0", "128", "0", str(V.TILES[128][0]), "0"], ["90", "1", "256", "1", str(V.SM90_TILES[256][0]), "1"]]
     assert f"static const int kJpsNumFwdVariants = {len(vs)};" in text
     assert (tmp_path / "objects.txt").read_text().split() == [v.prefix + ".o" for v in vs]
+
+
+def test_zero_rows_registry(tmp_path):
+    """The row-zeroing kernels: built with the sm90 family only (sm_90a, one and two outputs), listed in objects.txt
+    next to the variants, and a table the handlers search by (arch, outputs); without them the table is empty
+    (one placeholder row, count 0), so ffi/jps_zero_rows.cc still compiles and the handlers keep their memsets."""
+    zs = V.zero_rows_kernels(sm90=True)
+    assert [(z.arch, z.num_outputs, z.prefix) for z in zs] == [
+        ("sm_90a", 1, "jps_zero_rows1_sm_90a"), ("sm_90a", 2, "jps_zero_rows2_sm_90a")]
+    assert V.zero_rows_kernels(sm90=False) == [] and V.zero_rows_kernels(archs=("sm_80",), sm90=True) == []
+    vs = [V.FwdVariant("sm_90a", "bf16", 128, False, "sm90")]
+    build.write_registry(str(tmp_path), vs, extra_objects=zs)
+    assert (tmp_path / "objects.txt").read_text().split() == [v.prefix + ".o" for v in vs + zs]
+    build.write_zero_rows_registry(str(tmp_path), zs)
+    text = (tmp_path / "jps_zero_rows_registry.h").read_text()
+    assert "{90, 1, &jps_zero_rows1_sm_90a_module, &jps_zero_rows1_sm_90a_load, &jps_zero_rows1_sm_90a_launch}," in text
+    assert "{90, 2, &jps_zero_rows2_sm_90a_module" in text
+    assert "static const int kJpsNumZeroRowsKernels = 2;" in text
+    build.write_zero_rows_registry(str(tmp_path), [])
+    text = (tmp_path / "jps_zero_rows_registry.h").read_text()
+    assert "{0, 0, 0, 0, 0}," in text and "static const int kJpsNumZeroRowsKernels = 0;" in text
