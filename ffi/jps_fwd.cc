@@ -5,7 +5,8 @@
 //   execute:    validates shapes, zero-fills lse with a stream-ordered memset, picks the variant from the
 //               compute capability and the call's static parameters, zeroes O where the kernel does not
 //               write every row (a memset; under the sm90 kernel only the rows its tiles miss, or nothing
-//               when rows_covered), launches.
+//               when rows_covered), zeroes the sm90 kernel's tile counter (a 4-byte scratch result) where
+//               its compact schedule may run, launches.
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -109,6 +110,7 @@ ffi::Error Invalid(const std::string &msg) { return ffi::Error::InvalidArgument(
 ffi::Error FwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
                       ffi::Buffer<ffi::S32> used_k, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                      ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
                       float scale, float softcap, int32_t window_left, int32_t window_right, int32_t causal,
                       int32_t bottom_right, int32_t max_seqlen_q, int32_t rows_covered) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = o->dimensions(), ld = lse->dimensions();
@@ -118,6 +120,7 @@ ffi::Error FwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   if (kd[2] != H || vd[0] != total_k || vd[1] != K || vd[2] != H) return Invalid("k and v must be [total_k, K, H] with q's H");
   if (od[0] != total_q || od[1] != N || od[2] != H) return Invalid("o must have q's shape");
   if (ld[0] != N || ld[1] != total_q) return Invalid("lse must be [N, total_q]");
+  if (tile_counter->element_count() < 1) return Invalid("tile_counter must have at least one element");
   if (K <= 0 || N % K != 0) return Invalid("num_heads must be a positive multiple of num_kv_heads");
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type() || q.element_type() != o->element_type())
     return Invalid("q, k, v and o must share one dtype");
@@ -185,6 +188,15 @@ ffi::Error FwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
     if (ffi::Error e = zero(o->untyped_data(), o->size_bytes()); e.failure()) return e;
   }
 
+  // The sm90 kernel's compact schedule (packed batches where the dense grid would be mostly empty tiles:
+  // the same rule as kernels/bounds.use_compact_grid, whose int32 products stay in range under the
+  // grid limit above) has persistent CTAs claim tiles from a counter, which must start at zero.  The
+  // padded layout never takes it; any packed call zeroes the counter, whichever schedule runs.
+  const bool may_be_compact =
+      !rows_covered || 2 * (total_q / var->block_m + B) <= (int64_t(max_seqlen_q) + var->block_m - 1) / var->block_m * B;
+  if (var->family == 1 && may_be_compact)
+    if (ffi::Error e = zero(tile_counter->untyped_data(), sizeof(int32_t)); e.failure()) return e;
+
   const float log2e = 1.4426950408889634f;
   JpsFwdArgs a{};
   a.q = q.untyped_data(); a.k = k.untyped_data(); a.v = v.untyped_data(); a.o = o->untyped_data();
@@ -200,6 +212,7 @@ ffi::Error FwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   a.window_right = right;
   a.bottom_right = bottom_right ? 1 : 0;
   a.max_seqlen_q = max_seqlen_q;
+  a.tile_counter = tile_counter->typed_data();
   JpsLogVariantOnce(kJpsFwdVariants, var, "forward kernel");
   int32_t rc = var->launch(var->module, &a, stream);
   if (rc != 0) return ffi::Error::Internal(std::string("jax_padsafe_fwd: launch of ") + var->name + ": " + cudaGetErrorString((cudaError_t)rc));
@@ -228,6 +241,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_fwd_execute, FwdExecute,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (scratch)
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<int32_t>("window_left")

@@ -15,6 +15,7 @@ struct JpsFwdArgs {
   int32_t window_left, window_right;  // -1: unbounded; causal is folded into window_right
   int32_t bottom_right;       // 1: offset = seqused_k - seqused_q, 0: offset 0
   int32_t max_seqlen_q;       // grid.x = ceil(max_seqlen_q / block_m)
+  int32_t *tile_counter;      // [1], zero-filled: the sm90 family's compact tile queue (unused by family 0)
 };
 
 typedef int32_t (*JpsFwdLaunchFn)(void *module, const JpsFwdArgs *args, cudaStream_t stream);

@@ -190,10 +190,12 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, 
 
     call = jax.ffi.ffi_call(
         TARGET_NAME,
-        (jax.ShapeDtypeStruct((total_q, n, h), q.dtype), jax.ShapeDtypeStruct((n, total_q), jnp.float32)),
+        # The third result is the kernel's scratch: the tile counter of the sm90 compact schedule.
+        (jax.ShapeDtypeStruct((total_q, n, h), q.dtype), jax.ShapeDtypeStruct((n, total_q), jnp.float32),
+         jax.ShapeDtypeStruct((1,), jnp.int32)),
         vmap_method="sequential",
     )
-    o, lse = call(
+    o, lse, _ = call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
         scale=np.float32(scale),
         softcap=np.float32(softcap),

@@ -87,7 +87,9 @@ def _compile_one(args):
 
     q, k, v, o = qkv(), qkv(), qkv(), qkv()
     lse = make_fake_compact_tensor(cutlass.Float32, (sym(), sym()), stride_order=(1, 0), assumed_align=4)
-    vec = [make_fake_compact_tensor(cutlass.Int32, (sym(),), assumed_align=4) for _ in range(4)]
+    # cu_seqlens_q/k, seqused_q/k; the sm90 family also takes its tile counter (int32 [1]).
+    vec = [make_fake_compact_tensor(cutlass.Int32, (sym(),), assumed_align=4)
+           for _ in range(5 if variant.family == "sm90" else 4)]
     t0 = time.time()
     compiled = cute.compile(
         kern, q, k, v, o, lse, *vec, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(),
@@ -101,12 +103,14 @@ _TENSORS = [  # (parameter name in the kernel's __call__, dynamic shapes, dynami
     ("mQ", 2, 1), ("mK", 2, 1), ("mV", 2, 1), ("mO", 2, 1), ("mLSE", 2, 1),
     ("mCuQ", 1, 0), ("mCuK", 1, 0), ("mUsedQ", 1, 0), ("mUsedK", 1, 0),
 ]
+_TENSORS_SM90 = _TENSORS + [("mTileCounter", 1, 0)]
 
 
 def _adapter(v: V.FwdVariant) -> str:
     p = v.prefix
+    sm90 = v.family == "sm90"
     lines = [f'#include "{p}.h"']
-    for name, ns, nst in _TENSORS:
+    for name, ns, nst in (_TENSORS_SM90 if sm90 else _TENSORS):
         t = f"{p}_Tensor_{name}_t"
         lines.append(f"static_assert(sizeof((({t} *)0)->dynamic_shapes) == {ns} * 4, \"ABI of {p}.{name}\");")
         if nst:
@@ -122,7 +126,12 @@ def _adapter(v: V.FwdVariant) -> str:
         f"  {p}_Tensor_mCuK_t cuk = {{a->cu_k, {{a->batch + 1}}}};",
         f"  {p}_Tensor_mUsedQ_t uq = {{a->used_q, {{a->batch}}}};",
         f"  {p}_Tensor_mUsedK_t uk = {{a->used_k, {{a->batch}}}};",
-        f"  return cute_dsl_{p}_wrapper(({p}_Kernel_Module_t *)module, &q, &k, &v, &o, &lse, &cuq, &cuk, &uq, &uk,",
+    ]
+    if sm90:
+        lines.append(f"  {p}_Tensor_mTileCounter_t tc = {{a->tile_counter, {{1}}}};")
+    lines += [
+        f"  return cute_dsl_{p}_wrapper(({p}_Kernel_Module_t *)module, &q, &k, &v, &o, &lse, &cuq, &cuk, &uq, &uk,"
+        + (" &tc," if sm90 else ""),
         "      a->score_mul, a->cap_mul, a->window_left, a->window_right, a->bottom_right, a->max_seqlen_q, s);",
         "}",
         f"static void {p}_load(void *module) {{ {p}_Kernel_Module_Load(({p}_Kernel_Module_t *)module); }}",

@@ -1,10 +1,13 @@
 """Hopper (sm_90a) flash-attention forward: TMA + wgmma, warp-specialised, pad-safe.
 
-Same ABI as `fwd_sm80.FlashFwdSm80` (packed / varlen layout):
+The ABI of `fwd_sm80.FlashFwdSm80` (packed / varlen layout) plus a tile counter:
   q [total_q, N, H], k/v [total_k, K, H], o [total_q, N, H], lse [N, total_q] float32,
-  cu_seqlens_q/k int32 [B+1], seqused_q/k int32 [B].
+  cu_seqlens_q/k int32 [B+1], seqused_q/k int32 [B], tile_counter int32 [1] (zero-filled by the handler
+  before a compact launch).
 A CTA computes query tiles of block_m rows of one (head, sequence) each (grid.x enumerates the tiles
-linearly, m-block fastest; up to 4 tiles per CTA for head dims <= 128, see max_tiles_per_cta) with 3 warpgroups:
+linearly, m-block fastest; up to 4 tiles per CTA for head dims <= 128, see max_tiles_per_cta; with the
+compact schedule of packed batches, persistent CTAs claim tiles from the counter instead, see
+produce_claimed) with 3 warpgroups:
   * warpgroup 0 (producer; one warp issues TMA): Q once, then K and V tiles from the last visited
     K tile down to the first into a `num_stages`-deep shared-memory ring guarded by mbarriers
     (PipelineTmaAsync: "full" barriers with a transaction count, "empty" barriers released by the
@@ -68,6 +71,7 @@ class FlashFwdSm90:
         prefetch_next_tile: bool | None = None,
         pin_pv_wait: bool | None = None,
         rescale_o_early: bool | None = None,
+        dynamic_compact: bool = True,
     ):
         assert head_dim % 32 == 0 and block_m == 128
         self.dtype = dtype
@@ -124,6 +128,11 @@ class FlashFwdSm90:
             rescale_o_early = head_dim == 128
         self.pin_pv_wait = pin_pv_wait and intra_wg_overlap
         self.rescale_o_early = rescale_o_early and intra_wg_overlap
+        # The compact schedule (packed batches, bounds.use_compact_grid): persistent CTAs, one per SM, that
+        # claim tiles from a counter (produce_claimed), instead of one CTA per tile.  False: one tile per CTA
+        # (the schedule until session 19, for A/B comparisons).
+        self.dynamic_compact = dynamic_compact
+        self.persistent_ctas = 132  # SMs of an H100 SXM / H200; more than a smaller part holds is harmless
         assert self.max_tiles_per_cta < (1 << 30)  # so tiles_per_cta >> 30 is the run-time 0 the pin needs
         self.producer_regs = 24
         self.consumer_regs = 240
@@ -141,6 +150,7 @@ class FlashFwdSm90:
         mCuK: cute.Tensor,
         mUsedQ: cute.Tensor,
         mUsedK: cute.Tensor,
+        mTileCounter: cute.Tensor,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         window_left: cutlass.Int32,
@@ -174,6 +184,9 @@ class FlashFwdSm90:
             mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            # The compact kernel's tile queue: two slots of claimed tile numbers, full / empty barriers.
+            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            sTileLin: cute.struct.MemRange[cutlass.Int32, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
@@ -193,19 +206,19 @@ class FlashFwdSm90:
         # The compact kernel takes its tiles per head where the dense one takes n_mb.
         if bounds.use_compact_grid(max_seqlen_q, cute.size(mQ.shape[0]), batch, BM) != 0:
             self.launch_schedule(True, compact_per_head, num_heads, batch, tma_atom_Q, tma_Q, tma_atom_K, tma_K,
-                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul,
-                                 window_left, window_right, bottom_right, sQ_layout, sKV_layout, tiled_mma_qk,
+                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul,
+                                 cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout, tiled_mma_qk,
                                  tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream)
         else:
             self.launch_schedule(False, n_mb, num_heads, batch, tma_atom_Q, tma_Q, tma_atom_K, tma_K,
-                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul,
-                                 window_left, window_right, bottom_right, sQ_layout, sKV_layout, tiled_mma_qk,
+                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul,
+                                 cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout, tiled_mma_qk,
                                  tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream)
 
     @cute.jit
     def launch_schedule(self, compact: cutlass.Constexpr, per_seq_or_head, num_heads, batch, tma_atom_Q, tma_Q,
-                        tma_atom_K, tma_K, tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, score_mul,
-                        cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout, tiled_mma_qk,
+                        tma_atom_K, tma_K, tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK,
+                        mTileCounter, score_mul, cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout, tiled_mma_qk,
                         tiled_mma_pv, copy_out, q_bytes: cutlass.Constexpr, kv_bytes: cutlass.Constexpr,
                         SharedStorage: cutlass.Constexpr, stream):
         """Launch the kernel of one schedule: dense (per_seq_or_head = m-blocks per sequence) or compact
@@ -213,7 +226,13 @@ class FlashFwdSm90:
         total = per_seq_or_head * num_heads
         if cutlass.const_expr(not compact):
             total = total * batch
-        if cutlass.const_expr(compact):
+        if cutlass.const_expr(compact and self.dynamic_compact):
+            # Persistent CTAs that claim their tiles one at a time from a counter (`claim_tile`): as many
+            # as one wave (one CTA per SM; 132 on an H100 SXM / H200; on a part with fewer SMs the extra
+            # CTAs start once the counter is spent and find nothing left).
+            tiles_per_cta = cutlass.Int32(1)  # unused by this schedule (but the pins' opaque zero reads it)
+            grid = (cutlass.min(total, self.persistent_ctas), 1, 1)
+        elif cutlass.const_expr(compact):
             # One tile per CTA: the compact tiles of a skewed batch differ widely in work (a long sequence's
             # tiles against many short ones'), and the hardware's CTA dispatch balances them where a fixed
             # share of 4 tiles per CTA left a tail (measured: -17% on a long-tailed causal batch).
@@ -227,8 +246,8 @@ class FlashFwdSm90:
             grid = (total, 1, 1)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mK.shape[1], mQ.shape[1], per_seq_or_head, batch, tiles_per_cta,
-            score_mul, cap_mul, window_left, window_right, bottom_right,
+            mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, mK.shape[1], mQ.shape[1], per_seq_or_head, batch,
+            tiles_per_cta, score_mul, cap_mul, window_left, window_right, bottom_right,
             sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, compact,
         ).launch(
             grid=grid,
@@ -264,6 +283,7 @@ class FlashFwdSm90:
         mCuK: cute.Tensor,
         mUsedQ: cute.Tensor,
         mUsedK: cute.Tensor,
+        mTileCounter: cute.Tensor,
         num_kv_heads: cutlass.Int32,
         num_heads: cutlass.Int32,
         n_mb: cutlass.Int32,
@@ -307,6 +327,16 @@ class FlashFwdSm90:
             barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.num_stages, producer_group=producer,
             consumer_group=consumers, tx_count=kv_bytes, defer_sync=True,
         )
+        pipe_tile = None
+        if cutlass.const_expr(compact and self.dynamic_compact):
+            # The producer warp's lane 0 claims a tile and publishes its number in a slot; every consumer
+            # thread reads it and frees the slot.
+            pipe_tile = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=2,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads),
+                defer_sync=True,
+            )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -318,16 +348,23 @@ class FlashFwdSm90:
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sched = (n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
                  window_left, window_right, bottom_right, compact)
+        queue = None
+        if cutlass.const_expr(compact and self.dynamic_compact):
+            queue = (pipe_tile, storage.sTileLin.get_tensor(cute.make_layout(2)), mTileCounter)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV,
-                             pipe_q, pipe_k, pipe_v, sched)
+                if cutlass.const_expr(compact and self.dynamic_compact):
+                    self.produce_claimed(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV,
+                                         pipe_q, pipe_k, pipe_v, sched, queue)
+                else:
+                    self.produce(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV,
+                                 pipe_q, pipe_k, pipe_v, sched)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk, tiled_mma_pv, copy_out,
-                         score_mul, cap_mul, sched)
+                         score_mul, cap_mul, sched, queue)
 
     @cute.jit
     def tile_info(self, j: cutlass.Int32, sched):
@@ -335,10 +372,7 @@ class FlashFwdSm90:
         in_grid, q_slot) of this CTA's j-th tile; present is False for a tile past the grid (in_grid False) or
         wholly past its sequence's valid length (nothing to compute: the consumers write its rows up to the
         slot end q_slot as zeros, lse is pre-zeroed).  Producer and consumers derive the same sequence of
-        tiles from it."""
-        BM, BN = self.block_m, self.block_n
-        (n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
-         window_left, window_right, bottom_right, compact) = sched
+        tiles from it (the compact kernel's queue: tile_info_lin of the claimed numbers)."""
         bid, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         # Snake order: even j walk the tiles forward, odd j backward, so with the m-block fastest in the
@@ -349,6 +383,15 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.max_tiles_per_cta > 1):
             if j % 2 == 1:
                 lin = (j + 1) * gdim - 1 - bid
+        return self.tile_info_lin(lin, sched)
+
+    @cute.jit
+    def tile_info_lin(self, lin: cutlass.Int32, sched):
+        """tile_info of the tile with linear number `lin` (below the schedule's tile count, or a tile past
+        the grid: in_grid False)."""
+        BM, BN = self.block_m, self.block_n
+        (n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
+         window_left, window_right, bottom_right, compact) = sched
         # Dense: m-block fastest, then head, then sequence.  Compact: head, then the compact tiles of
         # all sequences (in sequence order, m-block fastest).
         if cutlass.const_expr(compact):
@@ -407,6 +450,69 @@ class FlashFwdSm90:
                     tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                     state_q, state, m_block, head, head_kv, q_start, k_start, n_min, n_max, j, sched)
 
+    def queue_length(self, sched):
+        """The compact schedule's tile count (compact tiles per head x heads): claims at or past it end."""
+        return sched[0] * sched[1]
+
+    @cute.jit
+    def claim_tile(self, queue, state):
+        """Producer warp (all 32 lanes): claim the next tile number from the counter (zero-filled by the
+        handler before the launch) and publish it in the queue's slot `state` for the consumers.  A claim at
+        or past the tile count tells everyone to stop.  Returns the claimed number (in every lane) and the
+        advanced slot state."""
+        pipe_tile, sTileLin, mTileCounter = queue
+        pipe_tile.producer_acquire(state)
+        claimed = cutlass.Int32(0)
+        if cute.arch.lane_idx() == 0:
+            claimed = cute.arch.atomic_add(mTileCounter.iterator, cutlass.Int32(1), sem="relaxed", scope="gpu")
+            sTileLin[state.index] = claimed
+            # mbarrier.arrive releases the store above to the consumers' wait (acquire).
+            pipe_tile.producer_commit(state)
+        claimed = cute.arch.shuffle_sync(claimed, 0)
+        state.advance()
+        return claimed, state
+
+    @cute.jit
+    def next_claimed(self, queue, state):
+        """Consumer thread: the next tile number the producer claimed (and the advanced slot state); frees
+        its slot."""
+        pipe_tile, sTileLin, _ = queue
+        pipe_tile.consumer_wait(state)
+        claimed = sTileLin[state.index]
+        pipe_tile.consumer_release(state)
+        state.advance()
+        return claimed, state
+
+    @cute.jit
+    def produce_claimed(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k,
+                        pipe_v, sched, queue):
+        """The compact kernel's producer: tiles in the order they are claimed (the first claims are the last
+        compact tiles, the heaviest of causal sequences), the next one claimed when the current one's loads
+        are issued (produce_tile), while the consumers still have num_stages blocks to work on.
+
+        Why a queue: with one compact tile per CTA, the launch, pipeline fill and epilogue of every tile
+        are exposed (costly for short sequences: a tile of a 300-token document has 3 key blocks), while
+        a fixed share of several tiles per CTA left a tail on skewed batches.  Claiming balances like the
+        hardware's dispatch of one-tile CTAs, with the multi-tile CTAs' overlap between tiles."""
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        state_tile = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        total = self.queue_length(sched)
+        lin, state_tile = self.claim_tile(queue, state_tile)
+        while lin < total:
+            (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
+             n_max, _, _) = self.tile_info_lin(lin, sched)
+            next_lin = lin
+            if present:
+                # produce_tile claims the next tile once this one's loads are issued.
+                state_q, state, state_tile, next_lin = self.produce_tile(
+                    tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+                    state_q, state, m_block, head, head_kv, q_start, k_start, n_min, n_max, cutlass.Int32(0), sched,
+                    queue, state_tile)
+            else:
+                next_lin, state_tile = self.claim_tile(queue, state_tile)
+            lin = next_lin
+
     @cute.jit
     def produce_tile(
         self,
@@ -433,7 +539,12 @@ class FlashFwdSm90:
         n_max: cutlass.Int32,
         j: cutlass.Int32,
         sched,
+        queue=None,
+        state_tile=None,
     ):
+        """Loads of one tile.  With the compact kernel's `queue` it also claims the next tile once this
+        tile's loads are issued, prefetches that one into L2 instead of this CTA's tile j + 1 (below head dim
+        128), and returns (state_q, state, state_tile, the next tile's number)."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD), (m_block, 0))
         gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_K[None, None, head_kv]), (BN, HD), (None, 0))
@@ -473,8 +584,9 @@ class FlashFwdSm90:
                     # free stage (issued before it, the prefetch delayed the step's loads: slower).  A tile of
                     # one K block issues none.
                     if it == 0:
-                        self.prefetch_tile_l2(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK,
-                                              j + 1, sched)
+                        if cutlass.const_expr(queue is None):
+                            self.prefetch_tile_l2(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK,
+                                                  j + 1, sched)
             if n_tiles > 0:
                 pipe_v.producer_acquire(state)
                 cute.copy(tma_atom_V, tVgV[None, n_min], tVsV[None, state.index],
@@ -491,15 +603,33 @@ class FlashFwdSm90:
                 cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(state))
                 state.advance()
-        return state_q, state
+        if cutlass.const_expr(queue is None):
+            return state_q, state
+        else:
+            # The next tile is claimed only now, with this tile's last loads issued (the producer runs
+            # num_stages blocks ahead of the consumers, which covers the counter's round trip): claimed at
+            # this tile's start, a CTA busy with a long tile held its next one too, and a batch's last
+            # long tiles ended in a tail twice as long (one 8k document among short ones: -8%, H100).
+            next_lin, state_tile = self.claim_tile(queue, state_tile)
+            if cutlass.const_expr(self.prefetch_next):
+                info = self.tile_info_lin(next_lin, sched)
+                self.prefetch_info_l2(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, info,
+                                      next_lin < self.queue_length(sched))
+            return state_q, state, state_tile, next_lin
 
     @cute.jit
     def prefetch_tile_l2(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, j, sched):
         """TMA prefetch into L2 (no shared memory, no barrier) of the CTA's tile j's Q and of the K / V block
         it visits first; nothing if the CTA has no tile j or it has nothing to load."""
+        info = self.tile_info(j, sched)
+        self.prefetch_info_l2(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, info, j < sched[4])
+
+    @cute.jit
+    def prefetch_info_l2(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, info, wanted):
+        """prefetch_tile_l2 of the tile that `info` (tile_info) describes, if `wanted`."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
-        (present, m_block, head, head_kv, q_start, _, k_start, _, _, _, _, n_min, n_max, _, _) = self.tile_info(j, sched)
-        if j < sched[4]:
+        (present, m_block, head, head_kv, q_start, _, k_start, _, _, _, _, n_min, n_max, _, _) = info
+        if wanted:
             if present:
                 gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD), (m_block, 0))
                 _, tQgQ = cpasync.tma_partition(
@@ -534,6 +664,7 @@ class FlashFwdSm90:
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         sched,
+        queue=None,
     ):
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         tidx_all, _, _ = cute.arch.thread_idx()
@@ -588,19 +719,42 @@ class FlashFwdSm90:
             # this was until session 10, left one unmatched arrive per tile and hung CTAs of several tiles).
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_BASE, number_of_threads=256)
-        for j in cutlass.range(sched[4], unroll=1):
-            (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
-             n_max, in_grid, q_slot) = self.tile_info(j, sched)
-            if present:
-                state_q, state = self.consume_tile(
-                    sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
-                    copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
-                    tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg, opaque_zero,
-                    m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max)
-            elif in_grid:
-                # A tile wholly past the valid length: its rows up to the slot end are zeros.
-                gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (BM, HD), (m_block, 0))
-                sc.zero_rows_global(self.dtype, BM, HD, copy_out, gO, m_block * BM, q_slot, tidx)
+        if cutlass.const_expr(queue is None):
+            for j in cutlass.range(sched[4], unroll=1):
+                (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
+                 n_max, in_grid, q_slot) = self.tile_info(j, sched)
+                if present:
+                    state_q, state = self.consume_tile(
+                        sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv,
+                        copy_out, copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum,
+                        alpha, rP, tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg, opaque_zero,
+                        m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max)
+                elif in_grid:
+                    # A tile wholly past the valid length: its rows up to the slot end are zeros.
+                    gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (BM, HD),
+                                         (m_block, 0))
+                    sc.zero_rows_global(self.dtype, BM, HD, copy_out, gO, m_block * BM, q_slot, tidx)
+        else:
+            # The compact kernel's queue: the tiles the producer claimed, in its order, until a claim past
+            # the end.  (A compact hole, m_block past the slot, writes nothing: zero_rows_global stops at the
+            # slot end.)
+            state_tile = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+            total = self.queue_length(sched)
+            lin, state_tile = self.next_claimed(queue, state_tile)
+            while lin < total:
+                (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
+                 n_max, in_grid, q_slot) = self.tile_info_lin(lin, sched)
+                if present:
+                    state_q, state = self.consume_tile(
+                        sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv,
+                        copy_out, copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum,
+                        alpha, rP, tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg, opaque_zero,
+                        m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max)
+                elif in_grid:
+                    gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (BM, HD),
+                                         (m_block, 0))
+                    sc.zero_rows_global(self.dtype, BM, HD, copy_out, gO, m_block * BM, q_slot, tidx)
+                lin, state_tile = self.next_claimed(queue, state_tile)
 
     @cute.jit
     def consume_tile(
