@@ -719,42 +719,41 @@ class FlashFwdSm90:
             # this was until session 10, left one unmatched arrive per tile and hung CTAs of several tiles).
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_BASE, number_of_threads=256)
+        ctx = (sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out, copy_r2s,
+               thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP, tOrP, score_mul,
+               cap_mul, mul, tidx, wg, opaque_zero)
         if cutlass.const_expr(queue is None):
             for j in cutlass.range(sched[4], unroll=1):
-                (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
-                 n_max, in_grid, q_slot) = self.tile_info(j, sched)
-                if present:
-                    state_q, state = self.consume_tile(
-                        sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv,
-                        copy_out, copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum,
-                        alpha, rP, tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg, opaque_zero,
-                        m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max)
-                elif in_grid:
-                    # A tile wholly past the valid length: its rows up to the slot end are zeros.
-                    gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (BM, HD),
-                                         (m_block, 0))
-                    sc.zero_rows_global(self.dtype, BM, HD, copy_out, gO, m_block * BM, q_slot, tidx)
+                state_q, state = self.consume_or_zero(self.tile_info(j, sched), ctx, state_q, state)
         else:
             # The compact kernel's queue: the tiles the producer claimed, in its order, until a claim past
-            # the end.  (A compact hole, m_block past the slot, writes nothing: zero_rows_global stops at the
-            # slot end.)
+            # the end.
             state_tile = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
             total = self.queue_length(sched)
             lin, state_tile = self.next_claimed(queue, state_tile)
             while lin < total:
-                (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
-                 n_max, in_grid, q_slot) = self.tile_info_lin(lin, sched)
-                if present:
-                    state_q, state = self.consume_tile(
-                        sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv,
-                        copy_out, copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum,
-                        alpha, rP, tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg, opaque_zero,
-                        m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max)
-                elif in_grid:
-                    gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (BM, HD),
-                                         (m_block, 0))
-                    sc.zero_rows_global(self.dtype, BM, HD, copy_out, gO, m_block * BM, q_slot, tidx)
+                state_q, state = self.consume_or_zero(self.tile_info_lin(lin, sched), ctx, state_q, state)
                 lin, state_tile = self.next_claimed(queue, state_tile)
+
+    @cute.jit
+    def consume_or_zero(self, info, ctx, state_q, state):
+        """The consumers' part of one tile (`info`: tile_info): compute it, or, for a tile wholly past the
+        valid length, write the zeros of its rows up to the slot end (none for a compact hole)."""
+        BM, HD = self.block_m, self.head_dim
+        (present, m_block, head, _, q_start, q_len, _, k_len, off, left, right, n_min, n_max, in_grid, q_slot) = info
+        (sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out, copy_r2s,
+         thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP, tOrP, score_mul,
+         cap_mul, mul, tidx, wg, opaque_zero) = ctx
+        if present:
+            state_q, state = self.consume_tile(
+                sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
+                copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
+                tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg, opaque_zero,
+                m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max)
+        elif in_grid:
+            gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (BM, HD), (m_block, 0))
+            sc.zero_rows_global(self.dtype, BM, HD, copy_out, gO, m_block * BM, q_slot, tidx)
+        return state_q, state
 
     @cute.jit
     def consume_tile(
