@@ -51,3 +51,17 @@ def test_zero_rows_registry(tmp_path):
     build.write_zero_rows_registry(str(tmp_path), [])
     text = (tmp_path / "jps_zero_rows_registry.h").read_text()
     assert "{0, 0, 0, 0, 0}," in text and "static const int kJpsNumZeroRowsKernels = 0;" in text
+
+
+def test_adapters_pass_the_tile_counter_to_the_sm90_family_only(tmp_path):
+    """The sm90 forward takes one more tensor than the SM80-class one (its compact schedule's tile counter): its
+    adapter checks that parameter's ABI and passes JpsFwdArgs.tile_counter; the SM80-class adapter passes none."""
+    sm80, sm90 = V.FwdVariant("sm_90a", "bf16", 128, False, "sm80"), V.FwdVariant("sm_90a", "bf16", 128, False, "sm90")
+    build.write_registry(str(tmp_path), [sm80, sm90])
+    text = (tmp_path / "jps_registry.h").read_text()
+    adapters = {v.prefix: text[text.index(f'#include "{v.prefix}.h"'):text.index(f"static {v.prefix}_Kernel_Module_t")]
+                for v in (sm80, sm90)}
+    a80, a90 = adapters[sm80.prefix], adapters[sm90.prefix]
+    assert f"{sm90.prefix}_Tensor_mTileCounter_t tc = {{a->tile_counter, {{1}}}};" in a90
+    assert "&uq, &uk, &tc," in a90 and f'"ABI of {sm90.prefix}.mTileCounter"' in a90
+    assert "tile_counter" not in a80 and "mTileCounter" not in a80 and "&uq, &uk,\n" in a80
