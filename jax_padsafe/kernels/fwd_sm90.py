@@ -206,21 +206,21 @@ class FlashFwdSm90:
         # The compact kernel takes its tiles per head where the dense one takes n_mb.
         if bounds.use_compact_grid(max_seqlen_q, cute.size(mQ.shape[0]), batch, BM) != 0:
             self.launch_schedule(True, compact_per_head, num_heads, batch, tma_atom_Q, tma_Q, tma_atom_K, tma_K,
-                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul,
-                                 cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout, tiled_mma_qk,
-                                 tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream)
+                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter,
+                                 score_mul, cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout,
+                                 tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream)
         else:
             self.launch_schedule(False, n_mb, num_heads, batch, tma_atom_Q, tma_Q, tma_atom_K, tma_K,
-                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul,
-                                 cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout, tiled_mma_qk,
-                                 tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream)
+                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter,
+                                 score_mul, cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout,
+                                 tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream)
 
     @cute.jit
     def launch_schedule(self, compact: cutlass.Constexpr, per_seq_or_head, num_heads, batch, tma_atom_Q, tma_Q,
                         tma_atom_K, tma_K, tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK,
-                        mTileCounter, score_mul, cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout, tiled_mma_qk,
-                        tiled_mma_pv, copy_out, q_bytes: cutlass.Constexpr, kv_bytes: cutlass.Constexpr,
-                        SharedStorage: cutlass.Constexpr, stream):
+                        mTileCounter, score_mul, cap_mul, window_left, window_right, bottom_right, sQ_layout,
+                        sKV_layout, tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes: cutlass.Constexpr,
+                        kv_bytes: cutlass.Constexpr, SharedStorage: cutlass.Constexpr, stream):
         """Launch the kernel of one schedule: dense (per_seq_or_head = m-blocks per sequence) or compact
         (per_seq_or_head = compact tiles per head)."""
         total = per_seq_or_head * num_heads
@@ -609,7 +609,7 @@ class FlashFwdSm90:
             # The next tile is claimed only now, with this tile's last loads issued (the producer runs
             # num_stages blocks ahead of the consumers, which covers the counter's round trip): claimed at
             # this tile's start, a CTA busy with a long tile held its next one too, and a batch's last
-            # long tiles ended in a tail twice as long (one 8k document among short ones: -8%, H100).
+            # long tiles ended in a tail twice as long (one 8k document among short ones: -6 to -11%, H100).
             next_lin, state_tile = self.claim_tile(queue, state_tile)
             if cutlass.const_expr(self.prefetch_next):
                 info = self.tile_info_lin(next_lin, sched)
@@ -740,7 +740,8 @@ class FlashFwdSm90:
         """The consumers' part of one tile (`info`: tile_info): compute it, or, for a tile wholly past the
         valid length, write the zeros of its rows up to the slot end (none for a compact hole)."""
         BM, HD = self.block_m, self.head_dim
-        (present, m_block, head, _, q_start, q_len, _, k_len, off, left, right, n_min, n_max, in_grid, q_slot) = info
+        (present, m_block, head, _, q_start, q_len, _, k_len, off, left, right, n_min, n_max, in_grid,
+         q_slot) = info
         (sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out, copy_r2s,
          thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP, tOrP, score_mul,
          cap_mul, mul, tidx, wg, opaque_zero) = ctx
