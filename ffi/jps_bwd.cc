@@ -7,7 +7,9 @@
 //               kernels the gradients' memsets are skipped where the tiles cover every row, see rows_covered,
 //               and otherwise replaced by zeroing only the rows the tiles miss, see jps_zero_rows.h); launches
 //               preprocess (Delta), dK/dV (or, for variants with a `dk` entry, a dV pass then a dK pass),
-//               dQ.  Families 0/1: no atomics, no fp32 global accumulator.  Family 2 (fused dQ, chosen when
+//               dQ.  Families 0/1: no atomics on results, no fp32 global accumulator (family 1's compact
+//               schedules hand out tiles through an atomic counter, `tile_counters`, zeroed here: that
+//               changes which CTA computes a tile, never how).  Family 2 (fused dQ, chosen when
 //               the caller passes a large enough `dq_workspace`): the dK/dV kernel adds fp32 dQ partials
 //               into the zero-filled workspace in a fixed order (semaphores), then `dq` converts it; every
 //               mode is deterministic (bitwise reproducible) either way.
@@ -105,7 +107,8 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                       ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
                       ffi::Buffer<ffi::S32> used_k, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                       ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
-                      ffi::Result<ffi::Buffer<ffi::F32>> dq_workspace, float scale,
+                      ffi::Result<ffi::Buffer<ffi::F32>> dq_workspace,
+                      ffi::Result<ffi::Buffer<ffi::S32>> tile_counters, float scale,
                       float softcap, int32_t window_left, int32_t window_right, int32_t causal, int32_t bottom_right,
                       int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t deterministic, int32_t rows_covered) {
   (void)deterministic;  // this design is deterministic in every mode (no atomics)
@@ -121,6 +124,7 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   if (!same2(lse.dimensions(), N, total_q) || !same2(dlse.dimensions(), N, total_q) || !same2(delta->dimensions(), N, total_q))
     return Invalid("lse, dlse and the Delta workspace must be [N, total_q]");
   if (K <= 0 || N % K != 0) return Invalid("num_heads must be a positive multiple of num_kv_heads");
+  if (tile_counters->element_count() < 2) return Invalid("tile_counters must have at least two elements");
   auto et = q.element_type();
   if (k.element_type() != et || v.element_type() != et || o.element_type() != et || dout.element_type() != et ||
       dq->element_type() != et || dk->element_type() != et || dv->element_type() != et)
@@ -221,6 +225,18 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
     if (ffi::Error e = zero(dv->untyped_data(), dv->size_bytes()); e.failure()) return e;
   }
 
+  // The sm90 kernels' compact schedules (packed batches where the dense grid would be mostly empty tiles:
+  // the rule of kernels/bounds.use_compact_grid, per kernel, in int64) run persistent CTAs that claim
+  // their tiles from a counter, which must start at zero.  Any call that may take either compact schedule
+  // zeroes both counters, whichever schedule runs; the padded layout never needs them.
+  if (var->family == 1) {
+    auto compact = [&](int64_t total, int32_t max_seqlen, int64_t block) {
+      return block > 0 && 2 * (total / block + B) <= (int64_t(max_seqlen) + block - 1) / block * B;
+    };
+    if (!rows_covered || compact(total_k, max_seqlen_k, var->dkdv_block_n) || compact(total_q, max_seqlen_q, var->dq_block_m))
+      if (ffi::Error e = zero(tile_counters->untyped_data(), 2 * sizeof(int32_t)); e.failure()) return e;
+  }
+
   const float log2e = 1.4426950408889634f;
   JpsBwdArgs a{};
   a.q = q.untyped_data(); a.k = k.untyped_data(); a.v = v.untyped_data(); a.o = o.untyped_data();
@@ -239,6 +255,7 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   a.bottom_right = bottom_right ? 1 : 0;
   a.max_seqlen_q = max_seqlen_q;
   a.max_seqlen_k = max_seqlen_k;
+  a.tile_counters = tile_counters->typed_data();
   if (fused) {
     a.dq_accum = dq_workspace->typed_data();
     a.dq_sem = reinterpret_cast<int32_t *>(dq_workspace->typed_data() + accum_count);
@@ -282,6 +299,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_execute, BwdExecute,
                                   .Ret<ffi::AnyBuffer>()             // dv
                                   .Ret<ffi::Buffer<ffi::F32>>()      // Delta workspace
                                   .Ret<ffi::Buffer<ffi::F32>>()      // fused-dQ workspace (may be empty)
+                                  .Ret<ffi::Buffer<ffi::S32>>()      // tile counters (scratch, [2])
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<int32_t>("window_left")

@@ -21,6 +21,9 @@ struct JpsBwdArgs {
   float *dq_accum;
   int32_t *dq_sem;
   int32_t dq_sem_count;
+  // [2], zero-filled by the handler on packed calls: the sm90 family's compact tile queues ([0] the dK/dV
+  // kernel's, [1] the dQ kernel's; bwd_sm90 via tile_queue); unused by the other families.
+  int32_t *tile_counters;
 };
 
 typedef int32_t (*JpsBwdLaunchFn)(void *module, const JpsBwdArgs *args, cudaStream_t stream);
@@ -42,4 +45,7 @@ struct JpsBwdVariant {
   // launched one after the other with the same arguments; each writes only its own output.
   void *dk_module;
   JpsBwdLaunchFn dk;
+  // Family 1: the dK/dV kernel's key tile (block_n) and the dQ kernel's query tile (block_m), which decide
+  // whether a call may take the compact schedules (and so needs zeroed tile counters); 0 otherwise.
+  int dkdv_block_n, dq_block_m;
 };

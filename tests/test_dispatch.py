@@ -313,6 +313,18 @@ def _bwd_workspace_sizes(text):
   return sizes
 
 
+def test_backward_call_has_the_tile_counter_scratch(kernels_built):
+  """Every backward custom call has a sixth result, int32[2]: the counters from which the sm90 kernels'
+  compact schedules claim their tiles (the handler zeroes them; bwd_ops drops them)."""
+  def loss(q, k, v):
+    return jnp.sum(jax_padsafe.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
+  text = _lowered(jax.grad(loss, (0, 1, 2)), *_qkv(t=72, s=33, h=64))
+  lines = [line for line in text.splitlines() if "custom_call @jax_padsafe_bwd" in line]
+  assert len(lines) == 1
+  results = re.findall(r"tensor<[^>]*>", lines[0].rsplit("->", 1)[1])
+  assert len(results) == 6 and results[-1] == "tensor<2xi32>", results
+
+
 def test_fused_dq_workspace_is_opt_in(kernels_built, monkeypatch):
   """The fused-dQ backward family runs only when the handler gets its fp32 workspace; bwd_ops requests one
   only with JAX_PADSAFE_FUSED_DQ=1, on a Hopper GPU, at head dim 128: dq accumulator + one semaphore per

@@ -71,6 +71,41 @@ def test_compact_schedule_covers_every_tile_once(seed, batch, max_len):
   assert set(seen) == want
 
 
+def claimed_compact_tile_model(lin, per_head, heads, cu, batch, block, last_first):
+  """NumPy model of bounds.claimed_compact_tile: (head, b, m) of the lin-th claim of a tile queue."""
+  if last_first:
+    lin = per_head * heads - 1 - lin
+  head = min(lin // per_head, heads - 1)
+  b, m, _ = compact_tile_model(lin - head * per_head, cu, batch, block)
+  return head, b, m
+
+
+@pytest.mark.parametrize("last_first", [False, True])
+@pytest.mark.parametrize("seed,batch,max_len,heads", [(10, 3, 900, 5), (11, 70, 300, 3), (12, 400, 200, 2)])
+def test_tile_queue_claims_cover_every_tile_once_in_launch_order(seed, batch, max_len, heads, last_first):
+  """The persistent CTAs of the compact schedules (kernels/tile_queue.py) claim numbers 0, 1, ... from a counter
+  until per_head x heads, and skip the holes (a tile at or past its slot's end).  The tiles they take are every
+  (head, sequence, tile) with rows, exactly once, in the order the one-CTA-per-tile kernels were launched
+  (blockIdx.x fastest, then the head in blockIdx.y; `last_first`: that order reversed, as the forward and the
+  dQ kernel take it)."""
+  rng = np.random.default_rng(seed)
+  cu, total = random_layout(rng, batch, max_len)
+  per_head = total // BLOCK + batch
+  claimed = []
+  for lin in range(per_head * heads):
+    head, b, m = claimed_compact_tile_model(lin, per_head, heads, cu, batch, BLOCK, last_first)
+    if m * BLOCK < cu[b + 1] - cu[b]:        # not a hole: the producer publishes it
+      claimed.append((head, b, m))
+  launched = []
+  for y in range(heads):
+    for x in range(per_head):
+      b, m, _ = compact_tile_model(x, cu, batch, BLOCK)
+      if m * BLOCK < cu[b + 1] - cu[b]:
+        launched.append((y, b, m))
+  assert claimed == (launched[::-1] if last_first else launched)
+  assert len(set(claimed)) == len(claimed) == heads * sum(-(-int(cu[b + 1] - cu[b]) // BLOCK) for b in range(batch))
+
+
 def test_compact_schedule_halves_a_skewed_grid():
   """The host's choice (bounds.use_compact_grid): the compact grid where it launches at most half the dense one."""
   lens = [8192] + [128] * 64                  # benchmarks/bench_varlen.py's "one_long"

@@ -65,3 +65,31 @@ def test_adapters_pass_the_tile_counter_to_the_sm90_family_only(tmp_path):
     assert f"{sm90.prefix}_Tensor_mTileCounter_t tc = {{a->tile_counter, {{1}}}};" in a90
     assert "&uq, &uk, &tc," in a90 and f'"ABI of {sm90.prefix}.mTileCounter"' in a90
     assert "tile_counter" not in a80 and "mTileCounter" not in a80 and "&uq, &uk,\n" in a80
+
+
+def test_backward_adapters_pass_tile_counters_to_the_sm90_family_only(tmp_path):
+    """Both sm90 backward kernels take one more tensor than the other families' (their compact schedule's tile
+    counter: the dK/dV kernel JpsBwdArgs.tile_counters[0], the dQ kernel [1]), right after seqused_k; the registry
+    row also carries their tiles (dK/dV block_n, dQ block_m), from which the handler decides whether to zero the
+    counters.  The SM80-class and fused-dQ families pass no counter and carry zeros."""
+    from jax_padsafe.kernels import bwd_build as BB
+    fams = {f: BB.BwdVariant("sm_90a", "bf16", 128, False, f) for f in ("sm80", "sm90", "sm90f")}
+    BB.write_registry(str(tmp_path), list(fams.values()))
+    text = (tmp_path / "jps_bwd_registry.h").read_text()
+
+    def adapter(v, kind):
+        p = f"{v.prefix}_{kind}"
+        return text[text.index(f'#include "{p}.h"'):text.index(f"static {p}_Kernel_Module_t")]
+
+    sm90 = fams["sm90"]
+    for kind, ptr in (("dkdv", "a->tile_counters"), ("dq", "a->tile_counters + 1")):
+        a = adapter(sm90, kind)
+        assert f"{sm90.prefix}_{kind}_Tensor_mTileCounter_t mTileCounter = {{{ptr}, {{1}}}};" in a
+        assert "&mUsedK, &mTileCounter, a->score_mul" in a
+    assert "mTileCounter" not in adapter(sm90, "pre")
+    for f in ("sm80", "sm90f"):
+        for kind in fams[f].kinds:
+            assert "tile_counters" not in adapter(fams[f], kind)
+    rows = {v.prefix: next(line for line in text.splitlines() if f'"{v.prefix}"' in line) for v in fams.values()}
+    assert rows[sm90.prefix].endswith('"%s", 1, 0, 0, 128, 128},' % sm90.prefix)
+    assert rows[fams["sm80"].prefix].endswith(", 0, 0, 0, 0},") and rows[fams["sm90f"].prefix].endswith(", 0, 0, 0, 0},")

@@ -5,8 +5,12 @@
 
 For a kernel change that must not change any bit (a new work split with the same wgmma shapes and the same
 element-wise math; session 7: the hd192/256 P^T/dS^T exchange against the duplicated S^T/dP^T; session 8: the
-dQ kernel's register operands and step overlap): dq, dk, dv of a packed GQA batch (2 sequences, used lengths
-below their slots), head dims HEAD_DIMS (default 192,256), causal and not, DTYPES (default bf16,fp16).  Prints how many gradients are bitwise identical.
+dQ kernel's register operands and step overlap; session 20: the compact schedules' tile queue against one CTA
+per tile): dq, dk, dv of a packed GQA batch (2 sequences, used lengths below their slots), head dims HEAD_DIMS
+(default 192,256), causal and not, DTYPES (default bf16,fp16).  LAYOUT=short instead packs ~300 documents of
+1-512 tokens (used lengths below their slots, a 2000-token document among them) and leaves max_seqlen at the
+packed length, so both backward kernels take their compact schedules with several tiles per persistent CTA.
+Prints how many gradients are bitwise identical.
 """
 
 import os
@@ -26,12 +30,19 @@ def gradients():
             for dt in (getattr(jnp, {"bf16": "bfloat16", "fp16": "float16"}[d])
                        for d in os.environ.get("DTYPES", "bf16,fp16").split(",")):
                 rng = np.random.default_rng(H + causal)
-                T, N, K = 1500, 8, 2
+                if os.environ.get("LAYOUT", "two") == "short":
+                    slots = rng.integers(1, 513, 300)
+                    slots[17] = 2000
+                    cu = jnp.asarray(np.concatenate([[0], np.cumsum(slots)]), jnp.int32)
+                    used = jnp.asarray(np.maximum(slots - rng.integers(0, 40, slots.size), 0), jnp.int32)
+                    T, N, K, bound = int(cu[-1]), 8, 2, int(cu[-1])
+                else:
+                    T, N, K, bound = 1500, 8, 2, 800
+                    cu = jnp.array([0, 700, 1500], jnp.int32)
+                    used = jnp.array([650, 777], jnp.int32)
                 q, do = (jnp.asarray(rng.standard_normal((T, N, H)), dt) for _ in range(2))
                 k, v = (jnp.asarray(rng.standard_normal((T, K, H)), dt) for _ in range(2))
-                cu = jnp.array([0, 700, 1500], jnp.int32)
-                used = jnp.array([650, 777], jnp.int32)
-                kw = dict(max_seqlen_q=800, max_seqlen_k=800, scale=H ** -0.5, causal=causal, bottom_right=False,
+                kw = dict(max_seqlen_q=bound, max_seqlen_k=bound, scale=H ** -0.5, causal=causal, bottom_right=False,
                           window_left=-1, window_right=-1, softcap=0.0)
                 o, lse = ops.flash_forward(q, k, v, cu, cu, used, used, **kw)
                 g = bwd_ops.flash_backward(q, k, v, o, lse, do, jnp.zeros_like(lse), cu, cu, used, used, **kw)

@@ -169,10 +169,13 @@ def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, sequse
         TARGET_NAME,
         (jax.ShapeDtypeStruct((total_q, n, h), q.dtype), jax.ShapeDtypeStruct((total_k, kh, h), q.dtype),
          jax.ShapeDtypeStruct((total_k, kh, h), q.dtype), jax.ShapeDtypeStruct((n, total_q), jnp.float32),
-         jax.ShapeDtypeStruct((fused_dq_workspace_size(total_q, n, h, b, max_seqlen_q),), jnp.float32)),
+         jax.ShapeDtypeStruct((fused_dq_workspace_size(total_q, n, h, b, max_seqlen_q),), jnp.float32),
+         # Scratch: the sm90 kernels' compact schedules claim tiles from these counters (zeroed by the
+         # handler on every call that may take them).
+         jax.ShapeDtypeStruct((2,), jnp.int32)),
         vmap_method="sequential",
     )
-    dq, dk, dv, _delta, _dq_workspace = call(
+    dq, dk, dv, _delta, _dq_workspace, _tile_counters = call(
         q, k, v, o, lse.astype(jnp.float32), do, dlse.astype(jnp.float32),
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
         scale=np.float32(scale),

@@ -174,3 +174,20 @@ def compact_tile(v: cutlass.Int32, cu: cute.Tensor, batch: cutlass.Int32, block:
     # Uniform across the warp (every lane searched for the same v): ptxas may then keep them in uniform
     # registers, as it keeps blockIdx, instead of two of the consumers' general registers.
     return cute.arch.make_warp_uniform(lo), cute.arch.make_warp_uniform(m)
+
+
+@cute.jit
+def claimed_compact_tile(lin: cutlass.Int32, per_head: cutlass.Int32, num_heads: cutlass.Int32, cu: cute.Tensor,
+                         batch: cutlass.Int32, block: cutlass.Constexpr, last_first: cutlass.Constexpr):
+    """(head, sequence, tile) of the lin-th tile (lin < per_head * num_heads) that a compact schedule's queue
+    hands out (tile_queue): head by head, each head's compact tiles in increasing order, or with `last_first`
+    the whole order reversed (the last tiles of a sequence, under causal masks its heaviest query tiles,
+    first).  Without `last_first` that is the order in which the hardware dispatches one-tile CTAs of the same
+    schedule (x: compact tile, y: head); with it, each head's tiles come in that order reversed, as the one-tile
+    CTAs of the forward and dQ kernels took them, and the heads last first.
+    All 32 lanes of each warp must call it (compact_tile votes)."""
+    if cutlass.const_expr(last_first):
+        lin = per_head * num_heads - 1 - lin
+    head = cutlass.min(lin // per_head, num_heads - 1)
+    b, m = compact_tile(lin - head * per_head, cu, batch, block)
+    return head, b, m

@@ -11,7 +11,7 @@ capability 9.0 (JAX_PADSAFE_SM90_BWD=0 at run time opts out).  On by default sin
 tests/gpu/check_backward.py on an H100 (every head dim, bf16/fp16; benchmarks/NOTES_sm90_bwd.md); JPS_SM90_BWD=0
 builds without it.  JPS_SM90_BWD_TILES="128=64x128x3,128x64x2" overrides its tiles (dK/dV, dQ:
 block_m x block_n x stages) for experiments, JPS_SM90_BWD_DQ="regs=1,overlap=1" the dQ kernel's options
-(`SM90_BWD_DQ_OPTS`).
+(`SM90_BWD_DQ_OPTS`), JPS_SM90_BWD_QUEUE=0 their compact schedules with one CTA per tile (`sm90_tile_queue`).
 JPS_SM90F_BWD=1 (--sm90f-bwd 1, the default) also builds the fused-dQ family `sm90f` for sm_90a at the head
 dims in `SM90F_BWD_TILES` (5 GEMMs: dQ = dS K accumulated in fp32 by the dK/dV kernel in a fixed order, then
 converted; its `_dkdv` export takes the accumulator and semaphores, its `_dq` export is the conversion); the
@@ -102,6 +102,16 @@ def sm90_pin_waits(head_dim: int) -> bool:
     JPS_SM90_BWD_PIN=0/1 overrides it for experiments.  (The opt-in fused-dQ family keeps it off: not timed.)"""
     env = os.environ.get("JPS_SM90_BWD_PIN", "")
     return bool(int(env)) if env else head_dim == 128
+
+
+def sm90_tile_queue() -> bool:
+    """`dynamic_compact` of the sm90 family's two kernels: their compact schedules (packed batches whose dense
+    grid would be mostly empty tiles) run persistent CTAs that claim tiles from a counter (tile_queue), as the
+    forward's do, instead of one CTA per tile (benchmarks/NOTES_sm90_bwd.md, session 20).  JPS_SM90_BWD_QUEUE=0
+    builds the one-tile CTAs for A/B runs, JPS_SM90_BWD_QUEUE=nostage the queue without the staging tiles that
+    let a tile's resident operands go before its epilogue (`stage_out`); the dense schedules are the same
+    either way."""
+    return os.environ.get("JPS_SM90_BWD_QUEUE", "1") != "0"
 
 
 # sm90f family (fused dQ, 5 GEMMs): the dK/dV kernel's (block_m, block_n, stages); it also computes dS K per
@@ -222,8 +232,9 @@ def _compile_one(args):
         # Same call arguments and exported ABI as the SM80-class kernels; the constructors take
         # (dtype, head_dim, block_m, block_n, stages, softcap): the tile's third entry is a stage count here.
         pin = sm90_pin_waits(H)
-        passes = {"dkdv": BwdDKDVSm90(dt, H, bm, bn, nt, variant.softcap, pin_waits=pin)}
-        dq_kernel = BwdDQSm90(dt, H, bm_q, bn_q, nt_q, variant.softcap, pin_waits=pin,
+        queue = dict(dynamic_compact=sm90_tile_queue(), stage_out=os.environ.get("JPS_SM90_BWD_QUEUE") != "nostage")
+        passes = {"dkdv": BwdDKDVSm90(dt, H, bm, bn, nt, variant.softcap, pin_waits=pin, **queue)}
+        dq_kernel = BwdDQSm90(dt, H, bm_q, bn_q, nt_q, variant.softcap, pin_waits=pin, **queue,
                               **sm90_dq_opts(H, variant.softcap))
     else:
         st_kv, st_q = variant.stages
@@ -231,11 +242,13 @@ def _compile_one(args):
         passes = {kind: BwdDKDV(dt, H, bm, bn, nt, variant.softcap, stages=st_kv, outputs=kind)
                   for kind in variant.kinds if kind in ("dkdv", "dv", "dk")}
         dq_kernel = BwdDQ(dt, H, bm_q, bn_q, nt_q, variant.softcap, stages=st_q)
+    # sm90: one more int32 tensor after seqused_k, the kernel's tile counter (_KERNELS_SM90).
+    counter = (i1(),) if variant.family == "sm90" else ()
     for kind, kern in passes.items():
-        dkdv = cute.compile(kern, x3(), x3(), x3(), x3(), f2(), f2(), x3(), x3(), i1(), i1(), i1(), i1(),
+        dkdv = cute.compile(kern, x3(), x3(), x3(), x3(), f2(), f2(), x3(), x3(), i1(), i1(), i1(), i1(), *counter,
                             1.0, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(), options=opts)
         dkdv.export_to_c(out, f"{p}_{kind}", function_prefix=f"{p}_{kind}")
-    dq = cute.compile(dq_kernel, x3(), x3(), x3(), x3(), f2(), f2(), x3(), i1(), i1(), i1(), i1(),
+    dq = cute.compile(dq_kernel, x3(), x3(), x3(), x3(), f2(), f2(), x3(), i1(), i1(), i1(), i1(), *counter,
                       1.0, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(), options=opts)
     dq.export_to_c(out, p + "_dq", function_prefix=p + "_dq")
     return variant, time.time() - t0
@@ -271,11 +284,15 @@ _SEM = "{a->dq_sem, {a->dq_sem_count}}"
 _KERNELS_FUSED = dict(_KERNELS, dkdv=_KERNELS["dkdv"][:8] + [("mdQacc", _ACC), ("mSem", _SEM)] + _KERNELS["dkdv"][8:],
                       dq=[("mAcc", _ACC), ("mdQ", _Q % "dq")])
 _SCALARS_FUSED = dict(_SCALARS, dq="a->dscale")
+# sm90: both kernels also take their compact schedule's tile counter (bwd_sm90 via tile_queue), after mUsedK.
+_KERNELS_SM90 = dict(_KERNELS, dkdv=_KERNELS["dkdv"] + [("mTileCounter", "{a->tile_counters, {1}}")],
+                     dq=_KERNELS["dq"] + [("mTileCounter", "{a->tile_counters + 1, {1}}")])
 
 
 def _adapter(v: BwdVariant) -> str:
     lines = []
-    kernels, scalars = (_KERNELS_FUSED, _SCALARS_FUSED) if v.family == "sm90f" else (_KERNELS, _SCALARS)
+    kernels, scalars = {"sm90f": (_KERNELS_FUSED, _SCALARS_FUSED), "sm90": (_KERNELS_SM90, _SCALARS)}.get(
+        v.family, (_KERNELS, _SCALARS))
     for kind in v.kinds:
         tensors = kernels[kind]
         p = f"{v.prefix}_{kind}"
@@ -302,13 +319,15 @@ def write_registry(out: str, built):
         p = v.prefix
         # dkdv = the first dK/dV launch (both outputs, or the dV pass); dk = the dK pass or null.
         first, second = ("dv", f"&{p}_dk_module, &{p}_dk_launch") if v.split else ("dkdv", "0, 0")
+        # The sm90 kernels' tiles decide whether the handler zeroes their tile counters (jps_bwd.cc).
+        blocks = f"{v.tile[0][1]}, {v.tile[1][0]}" if v.family == "sm90" else "0, 0"
         body.append(
             f"  {{{V.ARCH_CODE[v.arch]}, {V.DTYPE_CODE[v.dtype]}, {v.head_dim}, {int(v.softcap)}, &{p}_load, "
             f"&{p}_pre_module, &{p}_pre_launch, &{p}_{first}_module, &{p}_{first}_launch, &{p}_dq_module, "
-            f"&{p}_dq_launch, \"{p}\", {V.FAMILY_CODE[v.family]}, {second}}},"
+            f"&{p}_dq_launch, \"{p}\", {V.FAMILY_CODE[v.family]}, {second}, {blocks}}},"
         )
     if not built:
-        body.append("  {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \"none\", 0, 0, 0},")
+        body.append("  {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \"none\", 0, 0, 0, 0, 0},")
     body.append("};")
     body.append(f"static const int kJpsNumBwdVariants = {len(built)};")
     with open(os.path.join(out, "jps_bwd_registry.h"), "w") as f:

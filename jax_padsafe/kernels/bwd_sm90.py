@@ -9,7 +9,8 @@ shared-memory stages, PipelineTmaAsync; setmaxnreg down), warpgroups 1 and 2 con
 each owning 64 rows of the CTA's tile.
 
 * `BwdDKDVSm90`: one CTA per (key tile of block_n, kv head, sequence), or for packed batches whose dense grid
-  would be mostly empty per (compact key tile, kv head) (`bounds.compact_tile`).  K and V resident; Q, dO tiles of
+  would be mostly empty one wave of persistent CTAs that claim (compact key tile, kv head) tiles from a counter
+  (`bounds.compact_tile`, `tile_queue`).  K and V resident; Q, dO tiles of
   block_m queries streamed for every (query head of the GQA group, query tile that sees the key tile), in
   that fixed order.  Per step: S^T = K Q^T and dP^T = V dO^T (wgmma, both operands in shared memory),
   P^T = exp2(S^T * scale_log2 - lse2) by select (0 where masked, where the query is padded or has
@@ -17,8 +18,14 @@ each owning 64 rows of the CTA's tile.
   registers, B = dO^T / Q^T MN-major from shared memory).  Up to head dim 128 each consumer warpgroup owns
   64 of the tile's 128 keys; at 192 / 256 (block_n 64) each owns half of the head dim, warpgroup 0 computes
   S^T / P^T and warpgroup 1 dP^T / dS^T, and they swap them through shared memory (`exchange_step`).
-* `BwdDQSm90`: one CTA per (query tile of block_m, head, sequence), or per compact query tile.  Q and dO
-  resident, K and V streamed; S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K.
+* `BwdDQSm90`: one CTA per (query tile of block_m, head, sequence), or persistent CTAs that claim compact query
+  tiles.  Q and dO resident, K and V streamed; S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K.
+
+With the queue (`dynamic_compact`), a CTA's producer warp claims the next tile once the current one's loads are
+issued, skips the compact schedule's holes itself, and loads the next tile's operands while the consumers finish
+the current one; up to head dim 128 the consumers stage their outputs through tiles of their own
+(`stage_out`), so the resident operands are released before the epilogue.  Which CTA computes a tile changes,
+how it is computed does not: the results are bitwise those of one CTA per tile.
 
 Pad-safety under TMA (TMA zero-fills only outside the whole tensor; rows past a sequence's valid length
 inside it hold anything: NaN, Inf, the next sequence):
@@ -41,7 +48,7 @@ import cutlass.pipeline as pipeline
 import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from . import bounds, masking, tiles
+from . import bounds, masking, tile_queue, tiles
 from . import bwd_common as bc
 from . import sm90_common as sc
 
@@ -105,9 +112,18 @@ class BwdDKDVSm90(_Sm90BwdBase):
     ordered = True  # the fused-dQ subclass's reduction order (BwdDKDVQSm90)
 
     def __init__(self, dtype, head_dim: int, block_m: int = 64, block_n: int = 128, num_stages: int = 2,
-                 has_softcap: bool = False, pin_waits: bool = False):
+                 has_softcap: bool = False, pin_waits: bool = False, dynamic_compact: bool = True,
+                 stage_out: bool = True):
         super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
         assert block_n in (64, 128)
+        # The compact schedule with persistent CTAs that claim their key tiles from a counter (tile_queue);
+        # False: one CTA per compact tile (the schedule until session 20).  The fused-dQ kernel stays dense.
+        self.dynamic_compact = dynamic_compact
+        self.persistent_ctas = 132  # SMs of an H100 SXM / H200; more than a smaller part holds is harmless
+        # The queued kernel stages dK / dV through tiles of their own (64 KB at head dim 128), so a tile's K / V
+        # can be released, and the next tile's loaded, before its epilogue.  Not at head dims 192 / 256 (block_n
+        # 64): their shared memory is full, and they stage through sK / sV after the last step.
+        self.separate_out = dynamic_compact and stage_out and block_n == 128
         # The wait for dP^T pinned after P^T is converted to the input dtype (sm90_common.wgmma_wait_after):
         # ptxas sinks those conversions below the wait, between the dV wgmmas that read them.
         self.pin_waits = pin_waits
@@ -143,6 +159,7 @@ class BwdDKDVSm90(_Sm90BwdBase):
         mCuK: cute.Tensor,
         mUsedQ: cute.Tensor,
         mUsedK: cute.Tensor,
+        mTileCounter: cute.Tensor,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         dscale: cutlass.Float32,
@@ -152,12 +169,12 @@ class BwdDKDVSm90(_Sm90BwdBase):
         max_seqlen_k: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, None, None, mCuQ, mCuK, mUsedQ, mUsedK, score_mul,
-                     cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_k, stream)
+        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, None, None, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter,
+                     score_mul, cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_k, stream)
 
     @cute.jit
-    def _launch(self, mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mdQacc, mSem, mCuQ, mCuK, mUsedQ, mUsedK, score_mul,
-                cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_k, stream):
+    def _launch(self, mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mdQacc, mSem, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter,
+                score_mul, cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_k, stream):
         """Everything but the argument list: TMA atoms, wgmma tilers, the shared-memory struct, the launch.
         With `mdQacc` / `mSem` (the fused-dQ subclass) also the dQ partial tile, its TMA reduce-add atom
         and the per-(sequence, head, query tile) semaphores."""
@@ -212,6 +229,10 @@ class BwdDKDVSm90(_Sm90BwdBase):
             sdQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, dq_elems], 1024]
             # The compact kernel's (sequence, key tile) (see `body`).
             sTile: cute.struct.MemRange[cutlass.Int32, 2]
+            # The compact kernel's tile queue (tile_queue): two slots of (tile number, sequence, key tile, kv
+            # head, k_start, k_len, k_slot, a run-time 0 for `epilogue_rows`), their barriers.
+            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            sSlots: cute.struct.MemRange[cutlass.Int32, 2 * 8]
 
         group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
         # Key tiles: dense (ceil(max_seqlen_k / BN) per sequence) or, where that launches at least twice as many
@@ -233,14 +254,19 @@ class BwdDKDVSm90(_Sm90BwdBase):
                      min_blocks_per_mp=1)
         else:
             args = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-                    mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group,
+                    mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, group,
                     score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
                     sQ_layout, sK_layout, mma_s, mma_kv, copy_out, q_bytes, k_bytes, SharedStorage)
             if bounds.use_compact_grid(max_seqlen_k, total_k, batch, BN) != 0:
+                grid_c = bounds.tile_grid(True, max_seqlen_k, total_k, heads_kv, batch, BN)
+                smem_c = SharedStorage.size_in_bytes()
+                if cutlass.const_expr(self.dynamic_compact):
+                    # One wave of persistent CTAs that claim the compact tiles (x: tiles per kv head, y: kv heads).
+                    grid_c = (cutlass.min(grid_c[0] * grid_c[1], self.persistent_ctas), 1, 1)
+                if cutlass.const_expr(self.separate_out):
+                    smem_c += 2 * k_bytes + 1024  # the dK / dV staging tiles (`body`), 1024-byte aligned
                 self.kernel(*args, True).launch(
-                    grid=bounds.tile_grid(True, max_seqlen_k, total_k, heads_kv, batch, BN),
-                    block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
-                    min_blocks_per_mp=1)
+                    grid=grid_c, block=[self.num_threads, 1, 1], smem=smem_c, stream=stream, min_blocks_per_mp=1)
             else:
                 self.kernel(*args, False).launch(
                     grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
@@ -265,6 +291,7 @@ class BwdDKDVSm90(_Sm90BwdBase):
         mCuK: cute.Tensor,
         mUsedQ: cute.Tensor,
         mUsedK: cute.Tensor,
+        mTileCounter: cute.Tensor,
         group: cutlass.Int32,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
@@ -283,7 +310,7 @@ class BwdDKDVSm90(_Sm90BwdBase):
         compact: cutlass.Constexpr,
     ):
         self.body(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, None, None, None,
-                  mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group, score_mul, cap_mul, dscale,
+                  mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, group, score_mul, cap_mul, dscale,
                   window_left, window_right, bottom_right, sQ_layout, sK_layout, None, None, mma_s, mma_kv,
                   copy_out, q_bytes, k_bytes, SharedStorage, compact)
 
@@ -328,13 +355,13 @@ class BwdDKDVSm90(_Sm90BwdBase):
         SharedStorage: cutlass.Constexpr,
     ):
         self.body(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_dQ, tma_dQ,
-                  mSem, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group, score_mul, cap_mul, dscale,
+                  mSem, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, None, group, score_mul, cap_mul, dscale,
                   window_left, window_right, bottom_right, sQ_layout, sK_layout, sdS_layout, sdQ_layout, mma_s,
                   mma_kv, copy_out, q_bytes, k_bytes, SharedStorage, False)
 
     @cute.jit
     def body(self, tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_dQ, tma_dQ,
-             mSem, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, group, score_mul, cap_mul, dscale,
+             mSem, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, group, score_mul, cap_mul, dscale,
              window_left, window_right, bottom_right, sQ_layout, sK_layout, sdS_layout, sdQ_layout, mma_s, mma_kv,
              copy_out, q_bytes: cutlass.Constexpr, k_bytes: cutlass.Constexpr, SharedStorage: cutlass.Constexpr,
              compact: cutlass.Constexpr):
@@ -348,11 +375,19 @@ class BwdDKDVSm90(_Sm90BwdBase):
             cpasync.prefetch_descriptor(tma_atom_V)
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        # Compact: warp 0 finds the tile's (sequence, key tile) and leaves it in shared memory, where every
-        # thread reads it after the pipelines' barrier and the consumers again where they need it (`key_tile`).
-        # The first sequences' tiles first, each sequence's first (under causal masks, longest) first.
+        queued = compact and self.dynamic_compact
+        # Compact, one tile per CTA: warp 0 finds the tile's (sequence, key tile) and leaves it in shared
+        # memory, where every thread reads it after the pipelines' barrier and the consumers again where they
+        # need it (`key_tile`).  The first sequences' tiles first, each sequence's first (under causal masks,
+        # longest) first.  Compact with the queue: the producer warp finds each claimed tile's and publishes
+        # it in the queue's slot, which the consumers hold (and read the same way) until the tile is done.
         sTile = None
-        if cutlass.const_expr(compact):
+        queue = None
+        slots = None
+        if cutlass.const_expr(queued):
+            slots = storage.sSlots.get_tensor(cute.make_layout((2, 8), stride=(8, 1)))
+            queue = tile_queue.create(storage.mbar_tile.data_ptr(), slots, mTileCounter, self.num_consumer_threads)
+        elif cutlass.const_expr(compact):
             sTile = storage.sTile.get_tensor(cute.make_layout(2))
             if warp_idx == 0:
                 b, n = bounds.compact_tile(cute.arch.block_idx()[0], mCuK, cute.size(mUsedK.shape[0]), BN)
@@ -375,80 +410,226 @@ class BwdDKDVSm90(_Sm90BwdBase):
             sdS = storage.sdS.get_tensor(sdSx_layout.outer, swizzle=sdSx_layout.inner)
             sdQ = storage.sdQ.get_tensor(sPx_layout.outer, swizzle=sPx_layout.inner)
 
-        n_block, head_kv, batch = cute.arch.block_idx()
-        if cutlass.const_expr(compact):
-            batch = sTile[0]
-            n_block = sTile[1]
-        # Fused dQ with a bounded right window (causal): key tiles in reverse launch order, and the dQ partials
-        # of a query tile are added from the highest key tile down.  Key tile n first meets query tile
-        # m_min(n), which grows with n, so the highest key tiles reach every query tile first: adding in that
-        # order means no CTA waits for another in steady state, and every CTA waits only on CTAs launched
-        # before it (lower blockIdx.x).  Without a right bound all key tiles see the same query tiles, in
-        # increasing key order.
-        descending = window_right >= 0
-        if cutlass.const_expr(fused and self.ordered):
-            if descending:
-                n_block = cute.arch.grid_dim()[0] - 1 - n_block
+        tmas = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V)
+        seqs = (mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right)
+
+        if cutlass.const_expr(queued):
+            # Compact tiles per kv head (bounds.compact_tiles_per_head) x kv heads, claimed in the one-tile
+            # CTAs' launch order.
+            batch_size = cute.size(mUsedK.shape[0])
+            per_head = cute.size(tma_K.shape[0]) // BN + batch_size
+            sched = (per_head, cute.size(tma_K.shape[2]), group, batch_size)
+            out_tiles = None
+            if cutlass.const_expr(self.separate_out):
+                out_tiles = tuple(smem.allocate_tensor(self.dtype, sK_layout.outer, 1024, sK_layout.inner)
+                                  for _ in range(2))
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.produce_claimed(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, seqs, queue, sched)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume_claimed(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s,
+                                     mma_kv, copy_out, score_mul, cap_mul, dscale, seqs, queue, slots, sched, out_tiles)
+        else:
+            n_block, head_kv, batch = cute.arch.block_idx()
+            if cutlass.const_expr(compact):
+                batch = sTile[0]
+                n_block = sTile[1]
+            # Fused dQ with a bounded right window (causal): key tiles in reverse launch order, and the dQ partials
+            # of a query tile are added from the highest key tile down.  Key tile n first meets query tile
+            # m_min(n), which grows with n, so the highest key tiles reach every query tile first: adding in that
+            # order means no CTA waits for another in steady state, and every CTA waits only on CTAs launched
+            # before it (lower blockIdx.x).  Without a right bound all key tiles see the same query tiles, in
+            # increasing key order.
+            descending = window_right >= 0
+            if cutlass.const_expr(fused and self.ordered):
+                if descending:
+                    n_block = cute.arch.grid_dim()[0] - 1 - n_block
+            k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
+            k_slot = bounds.slot_length(mCuK, batch)
+            q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
+            off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
+            m_min, m_max = bc.m_block_range(n_block, BM, BN, q_len, k_len, off, left, right)
+            n_m = m_max - m_min
+            total = group * n_m
+            n0 = n_block * BN
+            # A key tile past k_len, or one no valid query sees: dK = dV = 0; the CTA writes the zeros of its rows
+            # up to the slot end (the handler's memset may have done so already) and computes nothing.
+            if n0 < k_len and total > 0:
+                if warp_idx < 4:
+                    cute.arch.setmaxregister_decrease(self.producer_regs)
+                    if warp_idx == 0:
+                        self.produce_tile(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q,
+                                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
+                                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages),
+                                          n_block, head_kv, group, n_m, m_min, total, q_start, k_start, True)
+                    if cutlass.const_expr(fused):
+                        if warp_idx == 1:
+                            self.reduce_dq(tma_atom_dQ, tma_dQ, sdQ, mSem, mUsedQ, n_block, head_kv, group, batch, n_m,
+                                           m_min, total, q_start, q_len, k_len, off, left, right, descending)
+                else:
+                    cute.arch.setmaxregister_increase(self.consumer_regs)
+                    self.consume(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv,
+                                 copy_out, score_mul, cap_mul, dscale, n_block, sTile, head_kv, group, n_m, m_min, total,
+                                 q_start, q_len, k_start, k_len, k_slot, off, left, right, fused,
+                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
+                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages), False)
+            else:
+                tidx, _, _ = cute.arch.thread_idx()
+                if tidx < self.num_consumer_threads:
+                    for out in (mdK, mdV):
+                        g = cute.local_tile(cute.domain_offset((k_start, 0), out[None, head_kv, None]), (BN, HD),
+                                            (n_block, 0))
+                        sc.zero_rows_global(self.dtype, BN, HD, copy_out, g, n0, k_slot, tidx)
+
+    @cute.jit
+    def key_bounds(self, batch, n_block, seqs):
+        """(k_start, k_len, k_slot, q_start, q_len, off, left, right, m_min, m_max) of key tile n_block of
+        sequence `batch`: the rows it covers and the query tiles that see it."""
+        mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right = seqs
         k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
         k_slot = bounds.slot_length(mCuK, batch)
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
-        m_min, m_max = bc.m_block_range(n_block, BM, BN, q_len, k_len, off, left, right)
-        n_m = m_max - m_min
-        total = group * n_m
-        n0 = n_block * BN
-        # A key tile past k_len, or one no valid query sees: dK = dV = 0; the CTA writes the zeros of its rows
-        # up to the slot end (the handler's memset may have done so already) and computes nothing.
-        if n0 < k_len and total > 0:
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx == 0:
-                    state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                    gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_K[None, None, head_kv]), (BN, HD),
-                                         (n_block, 0))
-                    gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_V[None, None, head_kv]), (BN, HD),
-                                         (n_block, 0))
-                    tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                                       cute.group_modes(gK, 0, 2))
-                    tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                                       cute.group_modes(gV, 0, 2))
-                    pipe_kv.producer_acquire(state_kv)
-                    cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(state_kv))
-                    cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(state_kv))
-                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-                    for it in cutlass.range(total, unroll=1):
-                        head = head_kv * group + it // n_m
-                        m_block = m_min + it % n_m
-                        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD),
-                                             (m_block, 0))
-                        gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_dO[None, None, head]), (BM, HD),
-                                              (m_block, 0))
-                        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
-                                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-                        tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, cute.make_layout(1),
-                                                           cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
-                        pipe_q.producer_acquire(state)
-                        cute.copy(tma_atom_Q, tQgQ, tQsQ[None, state.index],
-                                  tma_bar_ptr=pipe_q.producer_get_barrier(state))
-                        cute.copy(tma_atom_dO, tOgO, tOsO[None, state.index],
-                                  tma_bar_ptr=pipe_q.producer_get_barrier(state))
-                        state.advance()
-                if cutlass.const_expr(fused):
-                    if warp_idx == 1:
-                        self.reduce_dq(tma_atom_dQ, tma_dQ, sdQ, mSem, mUsedQ, n_block, head_kv, group, batch, n_m,
-                                       m_min, total, q_start, q_len, k_len, off, left, right, descending)
-            else:
-                cute.arch.setmaxregister_increase(self.consumer_regs)
-                self.consume(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv,
-                             copy_out, score_mul, cap_mul, dscale, n_block, sTile, head_kv, group, n_m, m_min, total,
-                             q_start, q_len, k_start, k_len, k_slot, off, left, right, fused)
+        m_min, m_max = bc.m_block_range(n_block, self.block_m, self.block_n, q_len, k_len, off, left, right)
+        return k_start, k_len, k_slot, q_start, q_len, off, left, right, m_min, m_max
+
+    @cute.jit
+    def produce_tile(self, tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, state_kv, state, n_block, head_kv, group, n_m,
+                     m_min, total, q_start, k_start, kv_first: cutlass.Constexpr):
+        """Producer warp: the loads of one key tile: K / V (resident), then Q / dO of every step (query head of
+        the group, query tile).  Without `kv_first` (the queue) Q / dO of the first steps go first: they
+        overlap the previous tile's epilogue, which K / V must wait for (it stages dK / dV through sK / sV).
+        Returns the advanced pipeline states."""
+        BN, HD = self.block_n, self.head_dim
+        tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V = tmas
+        n_ahead = cutlass.Int32(0)
+        if cutlass.const_expr(not kv_first):
+            n_ahead = cutlass.min(total, self.num_stages)
+            for it in cutlass.range(n_ahead, unroll=1):
+                state = self.produce_step(tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start)
+        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_K[None, None, head_kv]), (BN, HD), (n_block, 0))
+        gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_V[None, None, head_kv]), (BN, HD), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        pipe_kv.producer_acquire(state_kv)
+        cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(state_kv))
+        cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(state_kv))
+        state_kv.advance()
+        if cutlass.const_expr(kv_first):
+            for it in cutlass.range(total, unroll=1):
+                state = self.produce_step(tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start)
         else:
-            tidx, _, _ = cute.arch.thread_idx()
-            if tidx < self.num_consumer_threads:
+            for it in cutlass.range(n_ahead, total, 1, unroll=1):
+                state = self.produce_step(tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start)
+        return state_kv, state
+
+    @cute.jit
+    def produce_step(self, tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start):
+        """Producer warp: Q / dO of step `it` (query head head_kv * group + it // n_m, query tile
+        m_min + it % n_m) into stage `state`; returns the advanced state."""
+        BM, HD = self.block_m, self.head_dim
+        tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, _, _, _, _ = tmas
+        head = head_kv * group + it // n_m
+        m_block = m_min + it % n_m
+        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD), (m_block, 0))
+        gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_dO[None, None, head]), (BM, HD), (m_block, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
+                                           cute.group_modes(gdO, 0, 2))
+        pipe_q.producer_acquire(state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ[None, state.index], tma_bar_ptr=pipe_q.producer_get_barrier(state))
+        cute.copy(tma_atom_dO, tOgO, tOsO[None, state.index], tma_bar_ptr=pipe_q.producer_get_barrier(state))
+        state.advance()
+        return state
+
+    @cute.jit
+    def claim_key_tile(self, queue, seqs, sched):
+        """Producer warp: claim tile numbers until one names a key tile inside its sequence's slot, or the end;
+        returns (number, sequence, key tile, kv head).  Holes of the compact schedule (bounds.compact_tile) are
+        skipped here, so the consumers never wait for one: each is one atomic add and one search of the
+        producer, which runs ahead of the consumers."""
+        per_head, heads_kv, _, batch_size = sched
+        total_tiles = per_head * heads_kv
+        lin = tile_queue.take(queue)
+        head_kv, batch, n_block = bounds.claimed_compact_tile(lin, per_head, heads_kv, seqs[1], batch_size,
+                                                              self.block_n, False)
+        hole = (lin < total_tiles) & (n_block * self.block_n >= bounds.slot_length(seqs[1], batch))
+        while hole:
+            lin = tile_queue.take(queue)
+            head_kv, batch, n_block = bounds.claimed_compact_tile(lin, per_head, heads_kv, seqs[1], batch_size,
+                                                                  self.block_n, False)
+            hole = (lin < total_tiles) & (n_block * self.block_n >= bounds.slot_length(seqs[1], batch))
+        return lin, batch, n_block, head_kv
+
+    @cute.jit
+    def produce_claimed(self, tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, seqs, queue, sched):
+        """The compact kernel's producer: claims a key tile, publishes its (number, sequence, key tile, kv
+        head) for the consumers, issues its loads, and claims the next one once they are issued (as the
+        forward's `produce_claimed`, which says why)."""
+        per_head, heads_kv, group, _ = sched
+        state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        state_tile = tile_queue.producer_state()
+        total_tiles = per_head * heads_kv
+        lin, batch, n_block, head_kv = self.claim_key_tile(queue, seqs, sched)
+        k_start, k_len, k_slot, q_start, _, _, _, _, m_min, m_max = self.key_bounds(batch, n_block, seqs)
+        state_tile = tile_queue.publish(queue, state_tile, (lin, batch, n_block, head_kv, k_start, k_len, k_slot,
+                                                                cutlass.Int32(0)))
+        while lin < total_tiles:
+            n_m = m_max - m_min
+            if n_block * self.block_n < k_len and n_m > 0:
+                state_kv, state = self.produce_tile(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, state_kv, state, n_block,
+                                                    head_kv, group, n_m, m_min, group * n_m, q_start, k_start, False)
+            lin, batch, n_block, head_kv = self.claim_key_tile(queue, seqs, sched)
+            k_start, k_len, k_slot, q_start, _, _, _, _, m_min, m_max = self.key_bounds(batch, n_block, seqs)
+            state_tile = tile_queue.publish(queue, state_tile, (lin, batch, n_block, head_kv, k_start, k_len, k_slot,
+                                                                cutlass.Int32(0)))
+
+    @cute.jit
+    def consume_claimed(self, sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s,
+                        mma_kv, copy_out, score_mul, cap_mul, dscale, seqs, queue, slots, sched, out_tiles):
+        """The compact kernel's consumers: the key tiles the producer claimed, in its order, until a claim past
+        the end.  The slot of the current tile stays held until its epilogue is done: `key_tile` reads the
+        key tile from it (a view of the slot's (sequence, key tile) stands in for the one-tile kernel's
+        sTile).  A tile with nothing to compute gets its zeros (rows up to the slot end)."""
+        BN, HD = self.block_n, self.head_dim
+        per_head, heads_kv, group, _ = sched
+        tidx_all, _, _ = cute.arch.thread_idx()
+        tidx = tidx_all - 128
+        state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        state_tile = tile_queue.consumer_state()
+        total_tiles = per_head * heads_kv
+        lin = tile_queue.peek(queue, state_tile)
+        while lin < total_tiles:
+            batch = tile_queue.field(queue, state_tile, 1)
+            n_block = tile_queue.field(queue, state_tile, 2)
+            head_kv = tile_queue.field(queue, state_tile, 3)
+            # (sequence, key tile, kv head, k_start, k_len, k_slot, 0) of the held slot (`key_tile`,
+            # `epilogue_rows`).
+            sTile = cute.make_tensor(slots.iterator + (state_tile.index * 8 + 1), cute.make_layout(7))
+            k_start, k_len, k_slot, q_start, q_len, off, left, right, m_min, m_max = self.key_bounds(batch, n_block,
+                                                                                                      seqs)
+            n_m = m_max - m_min
+            n0 = n_block * BN
+            if n0 < k_len and n_m > 0:
+                state_kv, state = self.consume(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK,
+                                               mdV, mma_s, mma_kv, copy_out, score_mul, cap_mul, dscale, n_block,
+                                               sTile, head_kv, group, n_m, m_min, group * n_m, q_start, q_len,
+                                               k_start, k_len, k_slot, off, left, right, False, state_kv, state, True,
+                                               out_tiles)
+            else:
                 for out in (mdK, mdV):
                     g = cute.local_tile(cute.domain_offset((k_start, 0), out[None, head_kv, None]), (BN, HD),
                                         (n_block, 0))
                     sc.zero_rows_global(self.dtype, BN, HD, copy_out, g, n0, k_slot, tidx)
+            state_tile = tile_queue.release(queue, state_tile)
+            lin = tile_queue.peek(queue, state_tile)
 
     @cute.jit
     def reduce_dq(self, tma_atom_dQ, tma_dQ, sdQ, mSem, mUsedQ, n_block, head_kv, group, batch, n_m, m_min, total,
@@ -511,7 +692,11 @@ class BwdDKDVSm90(_Sm90BwdBase):
     @cute.jit
     def consume(self, sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv,
                 copy_out, score_mul, cap_mul, dscale, n_block, sTile, head_kv, group, n_m, m_min, total, q_start,
-                q_len, k_start, k_len, k_slot, off, left, right, fused: cutlass.Constexpr):
+                q_len, k_start, k_len, k_slot, off, left, right, fused: cutlass.Constexpr, state_kv, state,
+                release_kv: cutlass.Constexpr, out_tiles=None):
+        """The consumers' part of one key tile; returns the advanced pipeline states.  `release_kv`: free the
+        K / V stage for the next tile: right after the last step's GEMMs where `out_tiles` (two staging tiles of
+        sK's layout) take dK / dV, else once the epilogue, staged through sK / sV, has read them."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         dt = self.dtype
         tidx_all, _, _ = cute.arch.thread_idx()
@@ -597,7 +782,6 @@ class BwdDKDVSm90(_Sm90BwdBase):
                                              mma_s)
             copy_dsx = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt), mma_s)
 
-        state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(state_kv)
         if cutlass.const_expr(fused):
             if n0 + BN > k_len:
@@ -605,7 +789,6 @@ class BwdDKDVSm90(_Sm90BwdBase):
                 # zeroes all of them; same values), then both warpgroups meet before any GEMM.
                 sc.zero_rows_from(dt, BN, HD, sK, k_len - n0, tidx % 128, _BAR_WG_BASE + wg)
             cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # (query head, query tile) of the step, advanced by counting (no integer division per step).
         head = head_kv * group
         m_block = m_min
@@ -697,17 +880,31 @@ class BwdDKDVSm90(_Sm90BwdBase):
             head = next_head
             m_block = next_m
 
-        # Epilogue: dK (times the softmax scale) and dV through sK / sV (every consumer's GEMMs are complete
-        # after the barrier): valid key rows, then zeros up to the slot end.
+        # Epilogue: dK (times the softmax scale) and dV through sK / sV, or the staging tiles (every consumer's
+        # GEMMs are complete after the barrier; with staging tiles it also orders this tile's writes after the
+        # previous tile's reads): valid key rows, then zeros up to the slot end.
+        sOutK, sOutV = sK, sV
+        if cutlass.const_expr(release_kv and out_tiles is not None):
+            # This warp's GEMMs that read sK / sV are complete (the last step waited for them): the producer
+            # may load the next tile's K / V once every consumer warp has arrived, while this one stores.
+            pipe_kv.consumer_release(state_kv)
+            sOutK, sOutV = out_tiles
         cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
         n_block = self.key_tile(n_block, sTile)
         n0 = n_block * BN
+        head_kv, k_start, k_len, k_slot, tidx_e = self.epilogue_rows(sTile, head_kv, k_start, k_len, k_slot, tidx)
         gdK = cute.local_tile(cute.domain_offset((k_start, 0), mdK[None, head_kv, None]), (BN, HD), (n_block, 0))
         gdV = cute.local_tile(cute.domain_offset((k_start, 0), mdV[None, head_kv, None]), (BN, HD), (n_block, 0))
-        sc.store_rows_via_smem(acc_dK, dscale, dt, mma_kv, copy_out, sK, gdK, BN, HD, n0, k_len, tidx,
+        sc.store_rows_via_smem(acc_dK, dscale, dt, mma_kv, copy_out, sOutK, gdK, BN, HD, n0, k_len, tidx_e,
                                _BAR_CONSUMERS, self.num_consumer_threads, k_slot)
-        sc.store_rows_via_smem(acc_dV, cutlass.Float32(1.0), dt, mma_kv, copy_out, sV, gdV, BN, HD, n0, k_len, tidx,
-                               _BAR_CONSUMERS, self.num_consumer_threads, k_slot)
+        sc.store_rows_via_smem(acc_dV, cutlass.Float32(1.0), dt, mma_kv, copy_out, sOutV, gdV, BN, HD, n0, k_len,
+                               tidx_e, _BAR_CONSUMERS, self.num_consumer_threads, k_slot)
+        if cutlass.const_expr(release_kv and out_tiles is None):
+            # Every consumer has read sK / sV out: the producer may load the next tile's K / V.
+            cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
+            pipe_kv.consumer_release(state_kv)
+        state_kv.advance()
+        return state_kv, state
 
 
     @cute.jit
@@ -721,6 +918,17 @@ class BwdDKDVSm90(_Sm90BwdBase):
         if cutlass.const_expr(sTile is None):
             return n_block
         return sTile[1]
+
+    @cute.jit
+    def epilogue_rows(self, sTile, head_kv, k_start, k_len, k_slot, tidx):
+        """(kv head, k_start, k_len, k_slot, thread index) where the epilogue needs them.  The queued kernel
+        re-reads them from its tile's slot, after the epilogue's barrier, and adds the slot's run-time 0 to the
+        thread index, so that ptxas computes the epilogue's addresses in the epilogue: it hoisted them out of
+        the tile loop otherwise, and at head dim 128, with no register to spare across the step loop, kept 35 of
+        them per thread in local memory, reloaded by every tile's epilogue."""
+        if cutlass.const_expr(sTile is None or cute.size(sTile) == 2):
+            return head_kv, k_start, k_len, k_slot, tidx
+        return sTile[2], sTile[3], sTile[4], sTile[5], tidx + sTile[6]
 
     @cute.jit
     def exchange_step(self, wg, tidx_wg, stage, par, sStat, sPx, sdSx, copy_px, copy_dsx, mma_s0, mma_s, mma_kv, tSrK,
@@ -876,8 +1084,8 @@ class BwdDKDVQSm90(BwdDKDVSm90):
         max_seqlen_k: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mdQacc, mSem, mCuQ, mCuK, mUsedQ, mUsedK, score_mul,
-                     cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_k, stream)
+        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mdQacc, mSem, mCuQ, mCuK, mUsedQ, mUsedK, None,
+                     score_mul, cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_k, stream)
 
 
 class DqConvertSm90:
@@ -935,7 +1143,7 @@ class BwdDQSm90(_Sm90BwdBase):
 
     def __init__(self, dtype, head_dim: int, block_m: int = 128, block_n: int = 64, num_stages: int = 2,
                  has_softcap: bool = False, operands_in_regs: bool = False, overlap_steps: bool = False,
-                 pin_waits: bool = False):
+                 pin_waits: bool = False, dynamic_compact: bool = True, stage_out: bool = True):
         """Two options, off in the build (`bwd_build.SM90_BWD_DQ_OPTS`): neither changed forward+backward beyond
         the +-2% noise on the H100 (session 8), as this kernel already runs at ~620 TFLOP/s of executed GEMM
         work (benchmarks/NOTES_sm90_bwd.md).
@@ -955,6 +1163,13 @@ class BwdDQSm90(_Sm90BwdBase):
         # The wait for dP pinned after P (sm90_common.wgmma_wait_after): ptxas issues it after ~9 of the 32
         # exp2 otherwise, so most of P is computed after dP is complete instead of under it.
         self.pin_waits = pin_waits
+        # The compact schedule with persistent CTAs that claim their query tiles from a counter (tile_queue),
+        # as the forward's; False: one CTA per compact tile (the schedule until session 20).
+        self.dynamic_compact = dynamic_compact
+        self.persistent_ctas = 132  # SMs of an H100 SXM / H200; more than a smaller part holds is harmless
+        # The queued kernel stages dQ through a tile of its own (32 KB at head dim 128), so a tile's Q / dO can
+        # be released, and the next tile's loaded, before its epilogue; not above head dim 128 (no room).
+        self.separate_out = dynamic_compact and stage_out and head_dim <= 128
 
     @cute.jit
     def __call__(
@@ -970,6 +1185,7 @@ class BwdDQSm90(_Sm90BwdBase):
         mCuK: cute.Tensor,
         mUsedQ: cute.Tensor,
         mUsedK: cute.Tensor,
+        mTileCounter: cute.Tensor,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         dscale: cutlass.Float32,
@@ -1006,19 +1222,29 @@ class BwdDQSm90(_Sm90BwdBase):
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            # The compact kernel's tile queue (tile_queue): two slots of (tile number, sequence, query tile,
+            # head), their barriers.
+            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            sSlots: cute.struct.MemRange[cutlass.Int32, 2 * 4]
 
         group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
         # Query tiles: dense (ceil(max_seqlen_q / BM) per sequence) or, where that launches at least twice as
         # many CTAs, compact (bounds.compact_tile), each its own kernel (see FlashFwdSm90.__call__).
         batch, total_q = cute.size(mUsedQ.shape[0]), cute.size(mQ.shape[0])
         args = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-                mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, group,
+                mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, group,
                 score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
                 sQ_layout, sK_layout, mma_s, mma_q, copy_out, q_bytes, k_bytes, SharedStorage)
         if bounds.use_compact_grid(max_seqlen_q, total_q, batch, BM) != 0:
+            grid = bounds.tile_grid(True, max_seqlen_q, total_q, cute.size(mQ.shape[1]), batch, BM)
+            smem_c = SharedStorage.size_in_bytes()
+            if cutlass.const_expr(self.dynamic_compact):
+                # One wave of persistent CTAs that claim the compact tiles (x: tiles per head, y: heads).
+                grid = (cutlass.min(grid[0] * grid[1], self.persistent_ctas), 1, 1)
+            if cutlass.const_expr(self.separate_out):
+                smem_c += q_bytes + 1024  # the dQ staging tile (`kernel`), 1024-byte aligned
             self.kernel(*args, True).launch(
-                grid=bounds.tile_grid(True, max_seqlen_q, total_q, cute.size(mQ.shape[1]), batch, BM),
-                block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+                grid=grid, block=[self.num_threads, 1, 1], smem=smem_c, stream=stream, min_blocks_per_mp=1)
         else:
             self.kernel(*args, False).launch(
                 grid=bounds.tile_grid(False, max_seqlen_q, total_q, cute.size(mQ.shape[1]), batch, BM),
@@ -1042,6 +1268,7 @@ class BwdDQSm90(_Sm90BwdBase):
         mCuK: cute.Tensor,
         mUsedQ: cute.Tensor,
         mUsedK: cute.Tensor,
+        mTileCounter: cute.Tensor,
         group: cutlass.Int32,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
@@ -1059,7 +1286,7 @@ class BwdDQSm90(_Sm90BwdBase):
         SharedStorage: cutlass.Constexpr,
         compact: cutlass.Constexpr,
     ):
-        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        BM, HD = self.block_m, self.head_dim
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_Q)
@@ -1068,80 +1295,203 @@ class BwdDQSm90(_Sm90BwdBase):
             cpasync.prefetch_descriptor(tma_atom_V)
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
+        queued = compact and self.dynamic_compact
+        queue = None
+        if cutlass.const_expr(queued):
+            # The producer warp claims query tiles and publishes them decoded.
+            queue = tile_queue.create(storage.mbar_tile.data_ptr(),
+                                      storage.sSlots.get_tensor(cute.make_layout((2, 4), stride=(4, 1))),
+                                      mTileCounter, self.num_consumer_threads)
         pipe_q, pipe_kv = self._pipes(storage, 2 * q_bytes, 2 * k_bytes)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        tmas = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V)
+        seqs = (mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right)
 
-        m_block_rev, head, batch = cute.arch.block_idx()
-        # Highest query tiles first: under causal masks they visit the most key tiles (the order of CTAs
-        # changes no bit of any result).  Compact: the last sequences' tiles first, each sequence's last first.
-        m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
-        batch, m_block = bounds.tile_of_cta(compact, m_block, batch, mCuQ, cute.size(mUsedQ.shape[0]), BM)
+        if cutlass.const_expr(queued):
+            # Compact tiles per head (bounds.compact_tiles_per_head) x heads, each head's highest tile first.
+            num_heads = cute.size(mLSE.shape[0])
+            per_head = cute.size(mLSE.shape[1]) // BM + cute.size(mUsedQ.shape[0])
+            sched = (per_head, num_heads, group, cute.size(mUsedQ.shape[0]))
+            sOut = None
+            if cutlass.const_expr(self.separate_out):
+                sOut = smem.allocate_tensor(self.dtype, sQ_layout.outer, 1024, sQ_layout.inner)
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.produce_claimed(tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, seqs, queue, sched)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume_claimed(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
+                                     score_mul, cap_mul, dscale, seqs, queue, sched, sOut)
+        else:
+            m_block_rev, head, batch = cute.arch.block_idx()
+            # Highest query tiles first: under causal masks they visit the most key tiles (the order of CTAs
+            # changes no bit of any result).  Compact: the last sequences' tiles first, each sequence's last
+            # first.
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
+            batch, m_block = bounds.tile_of_cta(compact, m_block, batch, mCuQ, cute.size(mUsedQ.shape[0]), BM)
+            q_start, q_len, q_slot, k_start, k_len, off, left, right, n_min, n_max = self.tile_bounds(
+                batch, m_block, seqs)
+            head_kv = head // group
+            m0 = m_block * BM
+            # A query tile past q_len, or one whose queries see no key: dQ = 0, written for the tile's rows up
+            # to the slot end (the handler's memset may have done so already); nothing is computed.
+            if m0 < q_len and n_max > n_min:
+                if warp_idx < 4:
+                    cute.arch.setmaxregister_decrease(self.producer_regs)
+                    if warp_idx == 0:
+                        self.produce_tile(tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv,
+                                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
+                                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                                       self.num_stages),
+                                          m_block, head, head_kv, q_start, k_start, n_min, n_max)
+                else:
+                    cute.arch.setmaxregister_increase(self.consumer_regs)
+                    self.consume(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
+                                 score_mul, cap_mul, dscale, m_block, head, q_start, q_len, q_slot, k_len, off, left,
+                                 right, n_min, n_max,
+                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
+                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages),
+                                 False)
+            else:
+                tidx, _, _ = cute.arch.thread_idx()
+                if tidx < self.num_consumer_threads:
+                    gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD),
+                                          (m_block, 0))
+                    sc.zero_rows_global(self.dtype, BM, HD, copy_out, gdQ, m0, q_slot, tidx)
+
+    @cute.jit
+    def tile_bounds(self, batch, m_block, seqs):
+        """(q_start, q_len, q_slot, k_start, k_len, off, left, right, n_min, n_max) of query tile m_block of
+        sequence `batch`: the rows it covers and the key tiles it visits."""
+        mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right = seqs
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         q_slot = bounds.slot_length(mCuQ, batch)
         k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
         off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
-        n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
-        head_kv = head // group
-        m0 = m_block * BM
-        # A query tile past q_len, or one whose queries see no key: dQ = 0, written for the tile's rows up to
-        # the slot end (the handler's memset may have done so already); nothing is computed.
-        if m0 < q_len and n_max > n_min:
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx == 0:
-                    state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                    gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD),
-                                         (m_block, 0))
-                    gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_dO[None, None, head]), (BM, HD),
-                                          (m_block, 0))
-                    gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_K[None, None, head_kv]), (BN, HD),
-                                         (None, 0))
-                    gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_V[None, None, head_kv]), (BN, HD),
-                                         (None, 0))
-                    tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                                       cute.group_modes(gQ, 0, 2))
-                    tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, cute.make_layout(1),
-                                                       cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
-                    tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                                       cute.group_modes(gK, 0, 2))
-                    tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                                       cute.group_modes(gV, 0, 2))
-                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-                    # K/V of the first (= last in key order) tile, then Q/dO.
-                    pipe_kv.producer_acquire(state)
-                    cute.copy(tma_atom_K, tKgK[None, n_max - 1], tKsK[None, state.index],
-                              tma_bar_ptr=pipe_kv.producer_get_barrier(state))
-                    cute.copy(tma_atom_V, tVgV[None, n_max - 1], tVsV[None, state.index],
-                              tma_bar_ptr=pipe_kv.producer_get_barrier(state))
-                    state.advance()
-                    pipe_q.producer_acquire(state_q)
-                    cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
-                    cute.copy(tma_atom_dO, tOgO, tOsO, tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
-                    for it in cutlass.range(n_max - n_min - 1, unroll=1):
-                        n = n_max - 2 - it
-                        pipe_kv.producer_acquire(state)
-                        cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, state.index],
-                                  tma_bar_ptr=pipe_kv.producer_get_barrier(state))
-                        cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state.index],
-                                  tma_bar_ptr=pipe_kv.producer_get_barrier(state))
-                        state.advance()
+        n_min, n_max = bounds.n_block_range(m_block, self.block_m, self.block_n, q_len, k_len, off, left, right)
+        return q_start, q_len, q_slot, k_start, k_len, off, left, right, n_min, n_max
+
+    @cute.jit
+    def produce_tile(self, tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, state_q, state, m_block, head, head_kv, q_start,
+                     k_start, n_min, n_max):
+        """Producer warp: the loads of one query tile (K / V of its first key tile, Q / dO, the other key
+        tiles in decreasing order).  Returns the advanced pipeline states."""
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V = tmas
+        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD), (m_block, 0))
+        gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_dO[None, None, head]), (BM, HD), (m_block, 0))
+        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_K[None, None, head_kv]), (BN, HD), (None, 0))
+        gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_V[None, None, head_kv]), (BN, HD), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
+                                           cute.group_modes(gdO, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        # K/V of the first (= last in key order) tile, then Q/dO.
+        pipe_kv.producer_acquire(state)
+        cute.copy(tma_atom_K, tKgK[None, n_max - 1], tKsK[None, state.index],
+                  tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+        cute.copy(tma_atom_V, tVgV[None, n_max - 1], tVsV[None, state.index],
+                  tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+        state.advance()
+        # (With the queue, this waits until the consumers have stored the previous tile's dQ through sQ.)
+        pipe_q.producer_acquire(state_q)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+        cute.copy(tma_atom_dO, tOgO, tOsO, tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+        state_q.advance()
+        for it in cutlass.range(n_max - n_min - 1, unroll=1):
+            n = n_max - 2 - it
+            pipe_kv.producer_acquire(state)
+            cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, state.index],
+                      tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+            cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state.index],
+                      tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+            state.advance()
+        return state_q, state
+
+    @cute.jit
+    def claim_query_tile(self, queue, seqs, sched):
+        """Producer warp: claim tile numbers until one names a query tile inside its sequence's slot, or the end;
+        returns (number, sequence, query tile, head).  Holes are skipped here (BwdDKDVSm90.claim_key_tile)."""
+        per_head, num_heads, _, batch_size = sched
+        total = per_head * num_heads
+        lin = tile_queue.take(queue)
+        head, batch, m_block = bounds.claimed_compact_tile(lin, per_head, num_heads, seqs[0], batch_size,
+                                                           self.block_m, True)
+        hole = (lin < total) & (m_block * self.block_m >= bounds.slot_length(seqs[0], batch))
+        while hole:
+            lin = tile_queue.take(queue)
+            head, batch, m_block = bounds.claimed_compact_tile(lin, per_head, num_heads, seqs[0], batch_size,
+                                                               self.block_m, True)
+            hole = (lin < total) & (m_block * self.block_m >= bounds.slot_length(seqs[0], batch))
+        return lin, batch, m_block, head
+
+    @cute.jit
+    def produce_claimed(self, tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, seqs, queue, sched):
+        """The compact kernel's producer: tiles in the order they are claimed (each head's highest query tile
+        first, as the one-tile CTAs were launched; the heads last first), each published as (number, sequence, query tile, head), the next
+        one claimed once the current one's loads are issued (as the forward's `produce_claimed`, which says
+        why)."""
+        per_head, num_heads, group, _ = sched
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        state_tile = tile_queue.producer_state()
+        total = per_head * num_heads
+        lin, batch, m_block, head = self.claim_query_tile(queue, seqs, sched)
+        state_tile = tile_queue.publish(queue, state_tile, (lin, batch, m_block, head))
+        while lin < total:
+            q_start, q_len, _, k_start, _, _, _, _, n_min, n_max = self.tile_bounds(batch, m_block, seqs)
+            if m_block * self.block_m < q_len and n_max > n_min:
+                state_q, state = self.produce_tile(tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, state_q, state, m_block,
+                                                   head, head // group, q_start, k_start, n_min, n_max)
+            lin, batch, m_block, head = self.claim_query_tile(queue, seqs, sched)
+            state_tile = tile_queue.publish(queue, state_tile, (lin, batch, m_block, head))
+
+    @cute.jit
+    def consume_claimed(self, sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
+                        score_mul, cap_mul, dscale, seqs, queue, sched, sOut):
+        """The compact kernel's consumers: the tiles the producer published, in its order, until the end; a
+        tile with nothing to compute gets its zeros (rows up to the slot end)."""
+        BM, HD = self.block_m, self.head_dim
+        per_head, num_heads, _, _ = sched
+        tidx_all, _, _ = cute.arch.thread_idx()
+        tidx = tidx_all - 128
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        state_tile = tile_queue.consumer_state()
+        total = per_head * num_heads
+        lin = tile_queue.peek(queue, state_tile)
+        while lin < total:
+            batch = tile_queue.field(queue, state_tile, 1)
+            m_block = tile_queue.field(queue, state_tile, 2)
+            head = tile_queue.field(queue, state_tile, 3)
+            state_tile = tile_queue.release(queue, state_tile)
+            q_start, q_len, q_slot, _, k_len, off, left, right, n_min, n_max = self.tile_bounds(batch, m_block, seqs)
+            m0 = m_block * BM
+            if m0 < q_len and n_max > n_min:
+                state_q, state = self.consume(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q,
+                                              copy_out, score_mul, cap_mul, dscale, m_block, head, q_start, q_len,
+                                              q_slot, k_len, off, left, right, n_min, n_max, state_q, state, True,
+                                              sOut)
             else:
-                cute.arch.setmaxregister_increase(self.consumer_regs)
-                self.consume(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
-                             score_mul, cap_mul, dscale, m_block, head, q_start, q_len, q_slot, k_len, off, left,
-                             right, n_min, n_max)
-        else:
-            tidx, _, _ = cute.arch.thread_idx()
-            if tidx < self.num_consumer_threads:
                 gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
                 sc.zero_rows_global(self.dtype, BM, HD, copy_out, gdQ, m0, q_slot, tidx)
+            lin = tile_queue.peek(queue, state_tile)
 
     @cute.jit
     def consume(self, sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out, score_mul,
-                cap_mul, dscale, m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max):
+                cap_mul, dscale, m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max,
+                state_q, state, release_q: cutlass.Constexpr, sOut=None):
+        """The consumers' part of one query tile; returns the advanced pipeline states.  `release_q`: free the
+        Q / dO stage for the next tile: right after the last step's GEMMs where `sOut` (a staging tile of sQ's
+        layout) takes dQ, else once the epilogue, staged through sQ, has read it."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         dt = self.dtype
         tidx_all, _, _ = cute.arch.thread_idx()
@@ -1171,7 +1521,6 @@ class BwdDQSm90(_Sm90BwdBase):
         rdS = cute.make_rmem_tensor(s_shape, dt)
         tQrdS = cute.make_tensor(rdS.iterator, sc.c_to_a_layout(rdS.layout))
 
-        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(state_q)
         tSrQ = None
         tSrdO = None
@@ -1196,11 +1545,10 @@ class BwdDQSm90(_Sm90BwdBase):
             acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
         n_steps = n_max - n_min
         opaque_zero = cute.size(mLSE.shape[1]) >> 30  # total query rows < 2^30: a run-time 0 (wgmma_wait_after)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         if cutlass.const_expr(self.overlap_steps):
             # Key tiles n_max - 1 down to n_min.  Step j: S / dP of tile j + 1 and dQ += dS_j K_j are in flight
             # together; tile j's stage is released once dQ_j is complete.
-            state_rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            state_rel = state.clone()
             n_block = n_max - 1
             self.dq_scores_issue(pipe_kv, state, sK, mma_s0, mma_s, acc_S, acc_dP, tSrQ, tSrdO, tSrK, tSrV, n_block,
                                  k_len, tidx, wg)
@@ -1243,12 +1591,25 @@ class BwdDQSm90(_Sm90BwdBase):
                 pipe_kv.consumer_release(state)
                 state.advance()
 
-        # Epilogue: dQ (times the softmax scale) through sQ (every consumer's GEMMs are complete after the
-        # barrier): valid query rows, then zeros up to the slot end.
+        # Epilogue: dQ (times the softmax scale) through sQ, or the staging tile (every consumer's GEMMs are
+        # complete after the barrier; with the staging tile it also orders this tile's writes after the
+        # previous tile's reads): valid query rows, then zeros up to the slot end.
+        sStage = sQ
+        if cutlass.const_expr(release_q and sOut is not None):
+            # This warp's GEMMs that read sQ / sdO are complete (the last step waited for them): the producer
+            # may load the next tile's Q / dO once every consumer warp has arrived, while this one stores.
+            pipe_q.consumer_release(state_q)
+            sStage = sOut
         cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
         gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
-        sc.store_rows_via_smem(acc_dQ, dscale, dt, mma_q, copy_out, sQ, gdQ, BM, HD, m0, q_len, tidx,
+        sc.store_rows_via_smem(acc_dQ, dscale, dt, mma_q, copy_out, sStage, gdQ, BM, HD, m0, q_len, tidx,
                                _BAR_CONSUMERS, self.num_consumer_threads, q_slot)
+        if cutlass.const_expr(release_q and sOut is None):
+            # Every consumer has read sQ out: the producer may load the next tile's Q / dO.
+            cute.arch.barrier(barrier_id=_BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
+            pipe_q.consumer_release(state_q)
+        state_q.advance()
+        return state_q, state
 
     @cute.jit
     def dq_scores_issue(self, pipe_kv, state, sK, mma_s0, mma_s, acc_S, acc_dP, tSrQ, tSrdO, tSrK, tSrV, n_block,

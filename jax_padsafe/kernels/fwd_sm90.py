@@ -44,7 +44,7 @@ import cutlass.pipeline as pipeline
 import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from . import bounds, masking, softmax, tiles
+from . import bounds, masking, softmax, tile_queue, tiles
 from . import sm90_common as sc
 
 LOG2_E = math.log2(math.e)
@@ -227,7 +227,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(not compact):
             total = total * batch
         if cutlass.const_expr(compact and self.dynamic_compact):
-            # Persistent CTAs that claim their tiles one at a time from a counter (`claim_tile`): as many
+            # Persistent CTAs that claim their tiles one at a time from a counter (`tile_queue.claim`): as many
             # as one wave (one CTA per SM; 132 on an H100 SXM / H200; on a part with fewer SMs the extra
             # CTAs start once the counter is spent and find nothing left).
             tiles_per_cta = cutlass.Int32(1)  # unused by this schedule (but the pins' opaque zero reads it)
@@ -327,16 +327,12 @@ class FlashFwdSm90:
             barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.num_stages, producer_group=producer,
             consumer_group=consumers, tx_count=kv_bytes, defer_sync=True,
         )
-        pipe_tile = None
+        queue = None
         if cutlass.const_expr(compact and self.dynamic_compact):
             # The producer warp's lane 0 claims a tile and publishes its number in a slot; every consumer
-            # thread reads it and frees the slot.
-            pipe_tile = pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=2,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads),
-                defer_sync=True,
-            )
+            # thread reads it and frees the slot (tile_queue).
+            queue = tile_queue.create(storage.mbar_tile.data_ptr(), storage.sTileLin.get_tensor(cute.make_layout(2)),
+                                      mTileCounter, self.num_consumer_threads)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -348,9 +344,6 @@ class FlashFwdSm90:
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sched = (n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
                  window_left, window_right, bottom_right, compact)
-        queue = None
-        if cutlass.const_expr(compact and self.dynamic_compact):
-            queue = (pipe_tile, storage.sTileLin.get_tensor(cute.make_layout(2)), mTileCounter)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -455,35 +448,6 @@ class FlashFwdSm90:
         return sched[0] * sched[1]
 
     @cute.jit
-    def claim_tile(self, queue, state):
-        """Producer warp (all 32 lanes): claim the next tile number from the counter (zero-filled by the
-        handler before the launch) and publish it in the queue's slot `state` for the consumers.  A claim at
-        or past the tile count tells everyone to stop.  Returns the claimed number (in every lane) and the
-        advanced slot state."""
-        pipe_tile, sTileLin, mTileCounter = queue
-        pipe_tile.producer_acquire(state)
-        claimed = cutlass.Int32(0)
-        if cute.arch.lane_idx() == 0:
-            claimed = cute.arch.atomic_add(mTileCounter.iterator, cutlass.Int32(1), sem="relaxed", scope="gpu")
-            sTileLin[state.index] = claimed
-            # mbarrier.arrive releases the store above to the consumers' wait (acquire).
-            pipe_tile.producer_commit(state)
-        claimed = cute.arch.shuffle_sync(claimed, 0)
-        state.advance()
-        return claimed, state
-
-    @cute.jit
-    def next_claimed(self, queue, state):
-        """Consumer thread: the next tile number the producer claimed (and the advanced slot state); frees
-        its slot."""
-        pipe_tile, sTileLin, _ = queue
-        pipe_tile.consumer_wait(state)
-        claimed = sTileLin[state.index]
-        pipe_tile.consumer_release(state)
-        state.advance()
-        return claimed, state
-
-    @cute.jit
     def produce_claimed(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k,
                         pipe_v, sched, queue):
         """The compact kernel's producer: tiles in the order they are claimed (the first claims are the last
@@ -496,9 +460,9 @@ class FlashFwdSm90:
         hardware's dispatch of one-tile CTAs, with the multi-tile CTAs' overlap between tiles."""
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        state_tile = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        state_tile = tile_queue.producer_state()
         total = self.queue_length(sched)
-        lin, state_tile = self.claim_tile(queue, state_tile)
+        lin, state_tile = tile_queue.claim(queue, state_tile)
         while lin < total:
             (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
              n_max, _, _) = self.tile_info_lin(lin, sched)
@@ -510,7 +474,7 @@ class FlashFwdSm90:
                     state_q, state, m_block, head, head_kv, q_start, k_start, n_min, n_max, cutlass.Int32(0), sched,
                     queue, state_tile)
             else:
-                next_lin, state_tile = self.claim_tile(queue, state_tile)
+                next_lin, state_tile = tile_queue.claim(queue, state_tile)
             lin = next_lin
 
     @cute.jit
@@ -610,7 +574,7 @@ class FlashFwdSm90:
             # num_stages blocks ahead of the consumers, which covers the counter's round trip): claimed at
             # this tile's start, a CTA busy with a long tile held its next one too, and a batch's last
             # long tiles ended in a tail twice as long (one 8k document among short ones: -6 to -11%, H100).
-            next_lin, state_tile = self.claim_tile(queue, state_tile)
+            next_lin, state_tile = tile_queue.claim(queue, state_tile)
             if cutlass.const_expr(self.prefetch_next):
                 info = self.tile_info_lin(next_lin, sched)
                 self.prefetch_info_l2(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, info,
@@ -728,12 +692,12 @@ class FlashFwdSm90:
         else:
             # The compact kernel's queue: the tiles the producer claimed, in its order, until a claim past
             # the end.
-            state_tile = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+            state_tile = tile_queue.consumer_state()
             total = self.queue_length(sched)
-            lin, state_tile = self.next_claimed(queue, state_tile)
+            lin, state_tile = tile_queue.next_claimed(queue, state_tile)
             while lin < total:
                 state_q, state = self.consume_or_zero(self.tile_info_lin(lin, sched), ctx, state_q, state)
-                lin, state_tile = self.next_claimed(queue, state_tile)
+                lin, state_tile = tile_queue.next_claimed(queue, state_tile)
 
     @cute.jit
     def consume_or_zero(self, info, ctx, state_q, state):
