@@ -7,7 +7,9 @@ For a forward change that must not change any bit (session 10: the wait for P V 
 rescaled before the P V issue): O and lse of packed GQA batches with used lengths below their slots, head dims
 HEAD_DIMS (default 64,96,128,192,256), bf16; plain, causal (top-left and bottom-right), sliding window; short
 sequences (one K tile per query tile) and a batch with enough query tiles that each CTA takes several.
-Prints how many outputs are bitwise identical.
+BOUND=packed passes the packed length as max_seqlen (all a jitted step with traced offsets knows), so every case
+takes the compact schedule, and adds a case of ~300 documents of 1-512 tokens (session 20: the compact schedule's
+queue publishing decoded tiles).  Prints how many outputs are bitwise identical.
 """
 
 import os
@@ -31,10 +33,20 @@ CASES = {
 }
 
 
+def cases():
+    if os.environ.get("BOUND") != "packed":
+        return CASES
+    rng = np.random.default_rng(20)
+    slots = [int(x) for x in rng.integers(1, 513, 300)]
+    used = [max(x - int(d), 0) for x, d in zip(slots, rng.integers(0, 40, 300))]
+    return dict(CASES, many=(slots, used, 8, 2, False, False, -1, -1), many_causal=(slots, used, 8, 2, True, True, -1, -1))
+
+
 def outputs():
     out = {}
+    packed = os.environ.get("BOUND") == "packed"
     for H in (int(h) for h in os.environ.get("HEAD_DIMS", "64,96,128,192,256").split(",")):
-        for name, (slots, used, N, K, causal, br, wl, wr) in CASES.items():
+        for name, (slots, used, N, K, causal, br, wl, wr) in cases().items():
             if name.startswith("multitile"):
                 N = max(2, 2048 // H)
                 K = N
@@ -44,7 +56,8 @@ def outputs():
             k, v = (jnp.asarray(rng.standard_normal((T, K, H)), jnp.bfloat16) for _ in range(2))
             cu = jnp.asarray(np.concatenate([[0], np.cumsum(slots)]), jnp.int32)
             u = jnp.asarray(used, jnp.int32)
-            o, lse = ops.flash_forward(q, k, v, cu, cu, u, u, max_seqlen_q=max(slots), max_seqlen_k=max(slots),
+            bound = T if packed else max(slots)
+            o, lse = ops.flash_forward(q, k, v, cu, cu, u, u, max_seqlen_q=bound, max_seqlen_k=bound,
                                        scale=H ** -0.5, causal=causal, bottom_right=br, window_left=wl,
                                        window_right=wr, softcap=0.0)
             out[f"hd{H}_{name}_o"] = np.asarray(o.astype(jnp.float32))

@@ -53,6 +53,8 @@ LOG2_E = math.log2(math.e)
 _BAR_CONSUMERS = 1  # both consumer warpgroups (256 threads)
 _BAR_WG_BASE = 2  # + consumer warpgroup index: one consumer warpgroup (128 threads)
 _BAR_SCHED_BASE = 4  # + consumer warpgroup index: GEMM issue turn of that warpgroup (ping-pong)
+# Values of a tile-queue slot (compact schedule): the tile number, then tile_info's 15 values.
+_SLOT_VALUES = 16
 
 
 class FlashFwdSm90:
@@ -184,9 +186,10 @@ class FlashFwdSm90:
             mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            # The compact kernel's tile queue: two slots of claimed tile numbers, full / empty barriers.
+            # The compact kernel's tile queue: two slots of (tile number, the tile's tile_info), full / empty
+            # barriers.
             mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
-            sTileLin: cute.struct.MemRange[cutlass.Int32, 2]
+            sTileSlots: cute.struct.MemRange[cutlass.Int32, 2 * _SLOT_VALUES]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
@@ -227,7 +230,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(not compact):
             total = total * batch
         if cutlass.const_expr(compact and self.dynamic_compact):
-            # Persistent CTAs that claim their tiles one at a time from a counter (`tile_queue.claim`): as many
+            # Persistent CTAs that claim their tiles one at a time from a counter (`claim_published`): as many
             # as one wave (one CTA per SM; 132 on an H100 SXM / H200; on a part with fewer SMs the extra
             # CTAs start once the counter is spent and find nothing left).
             tiles_per_cta = cutlass.Int32(1)  # unused by this schedule (but the pins' opaque zero reads it)
@@ -329,10 +332,12 @@ class FlashFwdSm90:
         )
         queue = None
         if cutlass.const_expr(compact and self.dynamic_compact):
-            # The producer warp's lane 0 claims a tile and publishes its number in a slot; every consumer
-            # thread reads it and frees the slot (tile_queue).
-            queue = tile_queue.create(storage.mbar_tile.data_ptr(), storage.sTileLin.get_tensor(cute.make_layout(2)),
-                                      mTileCounter, self.num_consumer_threads)
+            # The producer warp claims a tile, decodes it and publishes it in a slot; every consumer thread
+            # reads it and frees the slot (tile_queue).
+            queue = tile_queue.create(
+                storage.mbar_tile.data_ptr(),
+                storage.sTileSlots.get_tensor(cute.make_layout((2, _SLOT_VALUES), stride=(_SLOT_VALUES, 1))),
+                mTileCounter, self.num_consumer_threads)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -462,20 +467,46 @@ class FlashFwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         state_tile = tile_queue.producer_state()
         total = self.queue_length(sched)
-        lin, state_tile = tile_queue.claim(queue, state_tile)
+        lin, info, state_tile = self.claim_published(queue, state_tile, sched)
         while lin < total:
             (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
-             n_max, _, _) = self.tile_info_lin(lin, sched)
+             n_max, _, _) = info
             next_lin = lin
+            next_info = info
             if present:
                 # produce_tile claims the next tile once this one's loads are issued.
-                state_q, state, state_tile, next_lin = self.produce_tile(
+                state_q, state, state_tile, next_lin, next_info = self.produce_tile(
                     tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                     state_q, state, m_block, head, head_kv, q_start, k_start, n_min, n_max, cutlass.Int32(0), sched,
                     queue, state_tile)
             else:
-                next_lin, state_tile = tile_queue.claim(queue, state_tile)
+                next_lin, next_info, state_tile = self.claim_published(queue, state_tile, sched)
             lin = next_lin
+            info = next_info
+
+    @cute.jit
+    def claim_published(self, queue, state_tile, sched):
+        """Producer warp: claim tile numbers until one names a tile inside its sequence's slot (a hole of the
+        compact schedule, bounds.compact_tile, needs nothing: skipped here, so the consumers never see one) or
+        the end, and publish it with its tile_info for the consumers, who then need no search or length loads
+        of their own at a tile's start.  Returns (number, tile_info, slot state)."""
+        total = self.queue_length(sched)
+        lin = tile_queue.take(queue)
+        info = self.tile_info_lin(lin, sched)
+        hole = (lin < total) & (info[1] * self.block_m >= info[14])
+        while hole:
+            lin = tile_queue.take(queue)
+            info = self.tile_info_lin(lin, sched)
+            hole = (lin < total) & (info[1] * self.block_m >= info[14])
+        values = (lin,) + tuple(cutlass.Int32(x) for x in info)
+        state_tile = tile_queue.publish(queue, state_tile, values)
+        return lin, info, state_tile
+
+    @cute.jit
+    def published_info(self, queue, state_tile):
+        """Consumer thread: the tile_info that the producer published in the held slot `state_tile`."""
+        v = tuple(tile_queue.field(queue, state_tile, 1 + i) for i in range(_SLOT_VALUES - 1))
+        return (v[0] != 0,) + v[1:13] + (v[13] != 0, v[14])
 
     @cute.jit
     def produce_tile(
@@ -574,12 +605,11 @@ class FlashFwdSm90:
             # num_stages blocks ahead of the consumers, which covers the counter's round trip): claimed at
             # this tile's start, a CTA busy with a long tile held its next one too, and a batch's last
             # long tiles ended in a tail twice as long (one 8k document among short ones: -6 to -11%, H100).
-            next_lin, state_tile = tile_queue.claim(queue, state_tile)
+            next_lin, next_info, state_tile = self.claim_published(queue, state_tile, sched)
             if cutlass.const_expr(self.prefetch_next):
-                info = self.tile_info_lin(next_lin, sched)
-                self.prefetch_info_l2(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, info,
+                self.prefetch_info_l2(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, next_info,
                                       next_lin < self.queue_length(sched))
-            return state_q, state, state_tile, next_lin
+            return state_q, state, state_tile, next_lin, next_info
 
     @cute.jit
     def prefetch_tile_l2(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, j, sched):
@@ -694,10 +724,12 @@ class FlashFwdSm90:
             # the end.
             state_tile = tile_queue.consumer_state()
             total = self.queue_length(sched)
-            lin, state_tile = tile_queue.next_claimed(queue, state_tile)
+            lin = tile_queue.peek(queue, state_tile)
             while lin < total:
-                state_q, state = self.consume_or_zero(self.tile_info_lin(lin, sched), ctx, state_q, state)
-                lin, state_tile = tile_queue.next_claimed(queue, state_tile)
+                info = self.published_info(queue, state_tile)
+                state_tile = tile_queue.release(queue, state_tile)
+                state_q, state = self.consume_or_zero(info, ctx, state_q, state)
+                lin = tile_queue.peek(queue, state_tile)
 
     @cute.jit
     def consume_or_zero(self, info, ctx, state_q, state):

@@ -7,17 +7,17 @@ claim one tile at a time balance like the hardware's dispatch of one-tile CTAs a
 with the previous tile's work.
 
 How: the producer warp claims a tile number with one atomic add on an int32 counter (zero-filled by the FFI
-handler before the launch) and publishes it in one of two shared-memory slots guarded by mbarriers
-(`PipelineAsync`: one producer thread, every consumer thread); the consumer warpgroups read the slot and
-free it.  A number at or past the schedule's tile count means "no more tiles" and ends both loops.  Slots
-carry either the tile number alone (`claim` / `next_claimed`: the consumers decode it themselves) or the
-number with what the producer decoded (`take` + `publish` / `peek` / `field` / `release`).  In the second form
-the producer skips numbers that name no tile (the compact schedule's holes) without publishing them, so a
-hole costs the consumers nothing, and the consumers may hold a slot while they work on its tile, to re-read a
-field from shared memory instead of keeping it in a register.
+handler before the launch, `take`), decodes it, and publishes the number with what the consumers need of its
+decoding in one of two shared-memory slots guarded by mbarriers (`publish`; `PipelineAsync`: one producer
+thread, every consumer thread).  The consumer warpgroups read the slot (`peek`, `field`) and free it
+(`release`), at once or, to re-read a value from shared memory instead of keeping it in a register, after the
+tile.  Numbers that name no tile (the compact schedule's holes) are skipped by the producer and never
+published: a hole costs the consumers nothing, and no decoding (searches, length loads) delays the consumers
+at a tile's start.  A number at or past the schedule's tile count means "no more tiles" and ends both loops.
 
-Every kernel that takes a queue claims tiles in the order its one-tile-per-CTA schedule launched them, so
-the order of work changes but no result does: each output tile is still written by exactly one CTA.
+Every kernel that takes a queue claims tiles in the order its one-tile-per-CTA schedule launched them
+(`bounds.claimed_compact_tile`; the dQ kernel takes its heads in reverse), so the order of work changes but no
+result does: each output tile is still written by exactly one CTA, in the same way.
 """
 
 import cutlass
@@ -27,8 +27,8 @@ import cutlass.pipeline as pipeline
 
 def create(barrier_ptr, slots: cute.Tensor, counter: cute.Tensor, num_consumer_threads: int):
     """The queue (pipeline, slots, counter).  `barrier_ptr`: 4 int64 mbarriers (full / empty of two slots);
-    `slots`: int32 shared memory, (2,) for tile numbers or (2, fields) for decoded tiles; `counter`: the
-    int32[1] global counter.  Needs the caller's mbarrier_init_fence + CTA barrier (defer_sync)."""
+    `slots`: int32 shared memory, (2, values) (the tile number, then the kernel's decoded values); `counter`:
+    the int32[1] global counter.  Needs the caller's mbarrier_init_fence + CTA barrier (defer_sync)."""
     pipe = pipeline.PipelineAsync.create(
         barrier_storage=barrier_ptr, num_stages=2,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
@@ -50,34 +50,6 @@ def consumer_state():
 def _take_number(counter: cute.Tensor):
     """Lane 0: the next tile number (a relaxed atomic add: the slot's mbarrier orders what follows)."""
     return cute.arch.atomic_add(counter.iterator, cutlass.Int32(1), sem="relaxed", scope="gpu")
-
-
-@cute.jit
-def claim(queue, state):
-    """Producer warp (all 32 lanes): claim the next tile number and publish it in slot `state`.  Returns the
-    number (in every lane) and the advanced slot state."""
-    pipe, slots, counter = queue
-    pipe.producer_acquire(state)
-    claimed = cutlass.Int32(0)
-    if cute.arch.lane_idx() == 0:
-        claimed = _take_number(counter)
-        slots[state.index] = claimed
-        # mbarrier.arrive releases the store above to the consumers' wait (acquire).
-        pipe.producer_commit(state)
-    claimed = cute.arch.shuffle_sync(claimed, 0)
-    state.advance()
-    return claimed, state
-
-
-@cute.jit
-def next_claimed(queue, state):
-    """Consumer thread: the next claimed tile number and the advanced slot state; frees the slot."""
-    pipe, slots, _ = queue
-    pipe.consumer_wait(state)
-    claimed = slots[state.index]
-    pipe.consumer_release(state)
-    state.advance()
-    return claimed, state
 
 
 @cute.jit
