@@ -549,21 +549,11 @@ class BwdDKDVSm90(_Sm90BwdBase):
 
     @cute.jit
     def claim_key_tile(self, queue, seqs, sched):
-        """Producer warp: claim tile numbers until one names a key tile inside its sequence's slot, or the end;
-        returns (number, sequence, key tile, kv head).  Holes of the compact schedule (bounds.compact_tile) are
-        skipped here, so the consumers never wait for one: each is one atomic add and one search of the
-        producer, which runs ahead of the consumers."""
+        """Producer warp: the next claimed key tile inside its sequence's slot, or the end (holes skipped:
+        tile_queue.take_compact_tile); returns (number, sequence, key tile, kv head)."""
         per_head, heads_kv, _, batch_size = sched
-        total_tiles = per_head * heads_kv
-        lin = tile_queue.take(queue)
-        head_kv, batch, n_block = bounds.claimed_compact_tile(lin, per_head, heads_kv, seqs[1], batch_size,
-                                                              self.block_n, False)
-        hole = (lin < total_tiles) & (n_block * self.block_n >= bounds.slot_length(seqs[1], batch))
-        while hole:
-            lin = tile_queue.take(queue)
-            head_kv, batch, n_block = bounds.claimed_compact_tile(lin, per_head, heads_kv, seqs[1], batch_size,
-                                                                  self.block_n, False)
-            hole = (lin < total_tiles) & (n_block * self.block_n >= bounds.slot_length(seqs[1], batch))
+        lin, head_kv, batch, n_block = tile_queue.take_compact_tile(queue, per_head, heads_kv, seqs[1], batch_size,
+                                                                    self.block_n, False)
         return lin, batch, n_block, head_kv
 
     @cute.jit
@@ -1418,19 +1408,12 @@ class BwdDQSm90(_Sm90BwdBase):
 
     @cute.jit
     def claim_query_tile(self, queue, seqs, sched):
-        """Producer warp: claim tile numbers until one names a query tile inside its sequence's slot, or the end;
-        returns (number, sequence, query tile, head).  Holes are skipped here (BwdDKDVSm90.claim_key_tile)."""
+        """Producer warp: the next claimed query tile inside its sequence's slot, or the end (holes skipped:
+        tile_queue.take_compact_tile; each head's highest tile first); returns (number, sequence, query tile,
+        head)."""
         per_head, num_heads, _, batch_size = sched
-        total = per_head * num_heads
-        lin = tile_queue.take(queue)
-        head, batch, m_block = bounds.claimed_compact_tile(lin, per_head, num_heads, seqs[0], batch_size,
-                                                           self.block_m, True)
-        hole = (lin < total) & (m_block * self.block_m >= bounds.slot_length(seqs[0], batch))
-        while hole:
-            lin = tile_queue.take(queue)
-            head, batch, m_block = bounds.claimed_compact_tile(lin, per_head, num_heads, seqs[0], batch_size,
-                                                               self.block_m, True)
-            hole = (lin < total) & (m_block * self.block_m >= bounds.slot_length(seqs[0], batch))
+        lin, head, batch, m_block = tile_queue.take_compact_tile(queue, per_head, num_heads, seqs[0], batch_size,
+                                                                 self.block_m, True)
         return lin, batch, m_block, head
 
     @cute.jit

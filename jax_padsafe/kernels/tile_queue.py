@@ -24,6 +24,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
+from . import bounds
+
 
 def create(barrier_ptr, slots: cute.Tensor, counter: cute.Tensor, num_consumer_threads: int):
     """The queue (pipeline, slots, counter).  `barrier_ptr`: 4 int64 mbarriers (full / empty of two slots);
@@ -61,6 +63,24 @@ def take(queue):
     if cute.arch.lane_idx() == 0:
         claimed = _take_number(counter)
     return cute.arch.shuffle_sync(claimed, 0)
+
+
+@cute.jit
+def take_compact_tile(queue, per_head: cutlass.Int32, num_heads: cutlass.Int32, cu: cute.Tensor,
+                      batch: cutlass.Int32, block: cutlass.Constexpr, last_first: cutlass.Constexpr):
+    """Producer warp: `take` numbers until one names a compact tile inside its sequence's slot
+    (bounds.claimed_compact_tile), or the end (a number at or past per_head x num_heads); returns (number,
+    head, sequence, tile).  The compact schedule's holes are skipped here, so the consumers never wait for one:
+    each costs the producer, which runs ahead of them, one atomic add and one search."""
+    total = per_head * num_heads
+    lin = take(queue)
+    head, b, m = bounds.claimed_compact_tile(lin, per_head, num_heads, cu, batch, block, last_first)
+    hole = (lin < total) & (m * block >= bounds.slot_length(cu, b))
+    while hole:
+        lin = take(queue)
+        head, b, m = bounds.claimed_compact_tile(lin, per_head, num_heads, cu, batch, block, last_first)
+        hole = (lin < total) & (m * block >= bounds.slot_length(cu, b))
+    return lin, head, b, m
 
 
 @cute.jit
