@@ -446,11 +446,8 @@ class BwdDKDVSm90(_Sm90BwdBase):
             if cutlass.const_expr(fused and self.ordered):
                 if descending:
                     n_block = cute.arch.grid_dim()[0] - 1 - n_block
-            k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
-            k_slot = bounds.slot_length(mCuK, batch)
-            q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
-            off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
-            m_min, m_max = bc.m_block_range(n_block, BM, BN, q_len, k_len, off, left, right)
+            k_start, k_len, k_slot, q_start, q_len, off, left, right, m_min, m_max = self.key_bounds(batch, n_block,
+                                                                                                      seqs)
             n_m = m_max - m_min
             total = group * n_m
             n0 = n_block * BN
@@ -499,9 +496,9 @@ class BwdDKDVSm90(_Sm90BwdBase):
     def produce_tile(self, tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, state_kv, state, n_block, head_kv, group, n_m,
                      m_min, total, q_start, k_start, kv_first: cutlass.Constexpr):
         """Producer warp: the loads of one key tile: K / V (resident), then Q / dO of every step (query head of
-        the group, query tile).  Without `kv_first` (the queue) Q / dO of the first steps go first: they
-        overlap the previous tile's epilogue, which K / V must wait for (it stages dK / dV through sK / sV).
-        Returns the advanced pipeline states."""
+        the group, query tile).  Without `kv_first` (the queue) Q / dO of the first steps go first: K / V wait
+        for the previous tile's consumers to release sK / sV (after its last step with staging tiles, after its
+        epilogue at head dims 192 / 256), and these loads need not.  Returns the advanced pipeline states."""
         BN, HD = self.block_n, self.head_dim
         tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V = tmas
         n_ahead = cutlass.Int32(0)
