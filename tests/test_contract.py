@@ -176,6 +176,24 @@ def test_empty_and_keyless_rows(impl):
   contract(p2, jnp.float32, impl)
 
 
+@pytest.mark.parametrize("which", ["no_queries", "no_keys", "nothing"])
+def test_degenerate_batches(impl, which):
+  """Batches with no work at all: every query length 0, every key length 0, or both.  No tile of the
+  kernels' grids has anything to compute, yet every output is written: exact zeros (lse -inf for valid rows
+  without keys; with no valid row at all the whole output is padding) and bitwise poison invariance."""
+  rng = np.random.default_rng(23)
+  q_len, kv_len = dict(no_queries=([0, 0, 0], [5, 130, 1]), no_keys=([7, 129, 1], [0, 0, 0]),
+                       nothing=([0, 0, 0], [0, 0, 0]))[which]
+  for causal in (False, True):
+    p = random_problem(rng, b=3, t=130, s=131, q_len=q_len, kv_len=kv_len, causal=causal, bottom_right=causal)
+    base, _ = contract(p, jnp.float32, impl, poisons=("nan", "huge"))
+    assert np.all(base["out"] == 0) and np.all(base["dq"] == 0)
+    assert np.all(base["dk"] == 0) and np.all(base["dv"] == 0)
+    if which == "no_keys":
+      for b, n in enumerate(q_len):
+        assert np.all(np.isneginf(base["lse"][b, :, :n])), "valid rows without keys must have lse -inf"
+
+
 def test_no_lengths_matches_jax_nn(impl):
   """With no padding at all, results equal jax.nn.dot_product_attention's."""
   import jax

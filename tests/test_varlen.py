@@ -100,6 +100,34 @@ def test_packed_contract(impl, case, mode):
     raise
 
 
+DEGENERATE = {
+    # caps_q, used_q, caps_k, used_k: nothing to compute anywhere
+    "no_queries": ([0, 0, 0, 0], [0, 0, 0, 0], [5, 130, 0, 9], [5, 100, 0, 9]),
+    "slots_unused": ([6, 130, 3], [0, 0, 0], [5, 130, 9], [5, 130, 9]),
+    "no_keys": ([7, 129, 0, 2], [7, 129, 0, 2], [0, 0, 0, 0], [0, 0, 0, 0]),
+    "nothing": ([0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]),
+}
+
+
+@pytest.mark.parametrize("bounds", ["tight", "loose"])
+@pytest.mark.parametrize("case", list(DEGENERATE))
+def test_degenerate_packed_batches(impl, case, bounds):
+  """Packed batches with no work: no query row, every slot unused, no key row, or nothing at all; with the
+  bounds at the longest slot, or left at their default (the packed length, so the kernels take their compact
+  schedules and every tile they claim is a hole).  All outputs are still written (exact zeros, lse -inf for
+  valid rows without keys) and no padding value reaches them."""
+  rng = np.random.default_rng(hash((case, bounds)) % 2**32)
+  for causal in (False, True):
+    d = build(rng, *DEGENERATE[case], causal=causal, bottom_right=causal)
+    d["loose_bounds"] = bounds == "loose"
+    try:
+      check_packed(d, helpers.dtype_for(impl, jnp.float32), impl, rng)
+    except NotImplementedError as e:
+      if impl == "cute":
+        pytest.skip(str(e))
+      raise
+
+
 def check_packed(d, dtype, impl, rng):
   """The whole contract on one packed problem from :func:`build`: oracle (on the padded equivalent),
   exact zeros in tails and gaps, bitwise invariance under every poison value."""
