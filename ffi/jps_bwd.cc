@@ -228,12 +228,14 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   // The sm90 kernels' compact schedules (packed batches where the dense grid would be mostly empty tiles:
   // the rule of kernels/bounds.use_compact_grid, per kernel, in int64) run persistent CTAs that claim
   // their tiles from a counter, which must start at zero.  Any call that may take either compact schedule
-  // zeroes both counters, whichever schedule runs; the padded layout never needs them.
+  // zeroes both counters, whichever schedule runs; the padded layout needs them only where a kernel queues
+  // every layout (`queue_all`).
   if (var->family == 1) {
     auto compact = [&](int64_t total, int32_t max_seqlen, int64_t block) {
       return block > 0 && 2 * (total / block + B) <= (int64_t(max_seqlen) + block - 1) / block * B;
     };
-    if (!rows_covered || compact(total_k, max_seqlen_k, var->dkdv_block_n) || compact(total_q, max_seqlen_q, var->dq_block_m))
+    if (!rows_covered || var->queue_all != 0 || compact(total_k, max_seqlen_k, var->dkdv_block_n) ||
+        compact(total_q, max_seqlen_q, var->dq_block_m))
       if (ffi::Error e = zero(tile_counters->untyped_data(), 2 * sizeof(int32_t)); e.failure()) return e;
   }
 

@@ -48,4 +48,7 @@ struct JpsBwdVariant {
   // Family 1: the dK/dV kernel's key tile (block_n) and the dQ kernel's query tile (block_m), which decide
   // whether a call may take the compact schedules (and so needs zeroed tile counters); 0 otherwise.
   int dkdv_block_n, dq_block_m;
+  // Family 1: the kernels that take their queued schedule on every layout, dense ones too (bit 0: dK/dV,
+  // bit 1: dQ; bwd_build.sm90_dense_queue): then every call needs zeroed tile counters.
+  int queue_all;
 };

@@ -67,12 +67,14 @@ def test_adapters_pass_the_tile_counter_to_the_sm90_family_only(tmp_path):
     assert "tile_counter" not in a80 and "mTileCounter" not in a80 and "&uq, &uk,\n" in a80
 
 
-def test_backward_adapters_pass_tile_counters_to_the_sm90_family_only(tmp_path):
+def test_backward_adapters_pass_tile_counters_to_the_sm90_family_only(tmp_path, monkeypatch):
     """Both sm90 backward kernels take one more tensor than the other families' (their compact schedule's tile
     counter: the dK/dV kernel JpsBwdArgs.tile_counters[0], the dQ kernel [1]), right after seqused_k; the registry
-    row also carries their tiles (dK/dV block_n, dQ block_m), from which the handler decides whether to zero the
-    counters.  The SM80-class and fused-dQ families pass no counter and carry zeros."""
+    row also carries their tiles (dK/dV block_n, dQ block_m) and which of them queue every layout, from which the
+    handler decides whether to zero the counters.  The SM80-class and fused-dQ families pass no counter and carry zeros."""
     from jax_padsafe.kernels import bwd_build as BB
+    for var in ("JPS_SM90_BWD_DENSE_QUEUE", "JPS_SM90_BWD_QUEUE"):
+        monkeypatch.delenv(var, raising=False)
     fams = {f: BB.BwdVariant("sm_90a", "bf16", 128, False, f) for f in ("sm80", "sm90", "sm90f")}
     BB.write_registry(str(tmp_path), list(fams.values()))
     text = (tmp_path / "jps_bwd_registry.h").read_text()
@@ -91,5 +93,26 @@ def test_backward_adapters_pass_tile_counters_to_the_sm90_family_only(tmp_path):
         for kind in fams[f].kinds:
             assert "tile_counters" not in adapter(fams[f], kind)
     rows = {v.prefix: next(line for line in text.splitlines() if f'"{v.prefix}"' in line) for v in fams.values()}
-    assert rows[sm90.prefix].endswith('"%s", 1, 0, 0, 128, 128},' % sm90.prefix)
-    assert rows[fams["sm80"].prefix].endswith(", 0, 0, 0, 0},") and rows[fams["sm90f"].prefix].endswith(", 0, 0, 0, 0},")
+    # hd128: both kernels queue every layout (queue_all = 3), so every call zeroes the counters.
+    assert rows[sm90.prefix].endswith('"%s", 1, 0, 0, 128, 128, 3},' % sm90.prefix)
+    for f in ("sm80", "sm90f"):
+        assert rows[fams[f].prefix].endswith(", 0, 0, 0, 0, 0},")
+
+
+def test_dense_queue_policy(monkeypatch):
+    """Which sm90 backward kernels queue every layout (`queue_dense`, the registry's queue_all): the measured
+    table by default, nothing with JPS_SM90_BWD_DENSE_QUEUE=0 or without the queue, everything with =all."""
+    from jax_padsafe.kernels import bwd_build as BB
+    monkeypatch.delenv("JPS_SM90_BWD_DENSE_QUEUE", raising=False)
+    monkeypatch.delenv("JPS_SM90_BWD_QUEUE", raising=False)
+    for hd in (64, 96, 128, 192, 256):
+        assert BB.sm90_dense_queue(hd) == (hd in BB.SM90_DENSE_QUEUE["dkdv"], hd in BB.SM90_DENSE_QUEUE["dq"])
+    assert BB.sm90_dense_queue(128) == (True, True) and BB.sm90_dense_queue(64) == (False, True)
+    assert BB.sm90_dense_queue(96) == (False, False) and BB.sm90_dense_queue(256) == (True, True)
+    monkeypatch.setenv("JPS_SM90_BWD_DENSE_QUEUE", "all")
+    assert BB.sm90_dense_queue(256) == (True, True)
+    monkeypatch.setenv("JPS_SM90_BWD_QUEUE", "0")
+    assert BB.sm90_dense_queue(128) == (False, False)
+    monkeypatch.setenv("JPS_SM90_BWD_QUEUE", "1")
+    monkeypatch.setenv("JPS_SM90_BWD_DENSE_QUEUE", "0")
+    assert BB.sm90_dense_queue(128) == (False, False)

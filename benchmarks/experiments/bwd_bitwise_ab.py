@@ -9,7 +9,8 @@ dQ kernel's register operands and step overlap; session 20: the compact schedule
 per tile): dq, dk, dv of a packed GQA batch (2 sequences, used lengths below their slots), head dims HEAD_DIMS
 (default 192,256), causal and not, DTYPES (default bf16,fp16).  LAYOUT=short instead packs ~300 documents of
 1-512 tokens (used lengths below their slots, a 2000-token document among them) and leaves max_seqlen at the
-packed length, so both backward kernels take their compact schedules with several tiles per persistent CTA.
+packed length, so both backward kernels take their compact schedules with several tiles per persistent CTA.  LAYOUT=padded:
+the dense padded layout (4 x 1024 slots, rows_covered), which takes the dense schedule unless `queue_dense`.
 Prints how many gradients are bitwise identical.
 """
 
@@ -36,6 +37,12 @@ def gradients():
                     cu = jnp.asarray(np.concatenate([[0], np.cumsum(slots)]), jnp.int32)
                     used = jnp.asarray(np.maximum(slots - rng.integers(0, 40, slots.size), 0), jnp.int32)
                     T, N, K, bound = int(cu[-1]), 8, 2, int(cu[-1])
+                elif os.environ.get("LAYOUT") == "padded":
+                    # The dense padded layout (4 x 1024 slots, used lengths below them, rows_covered): the one
+                    # the sm90 `queue_dense` policy moves onto the queued schedule.
+                    T, N, K, bound = 4096, 8, 2, 1024
+                    cu = jnp.arange(5, dtype=jnp.int32) * 1024
+                    used = jnp.array([1024, 700, 1001, 333], jnp.int32)
                 else:
                     T, N, K, bound = 1500, 8, 2, 800
                     cu = jnp.array([0, 700, 1500], jnp.int32)
@@ -45,7 +52,8 @@ def gradients():
                 kw = dict(max_seqlen_q=bound, max_seqlen_k=bound, scale=H ** -0.5, causal=causal, bottom_right=False,
                           window_left=-1, window_right=-1, softcap=0.0)
                 o, lse = ops.flash_forward(q, k, v, cu, cu, used, used, **kw)
-                g = bwd_ops.flash_backward(q, k, v, o, lse, do, jnp.zeros_like(lse), cu, cu, used, used, **kw)
+                g = bwd_ops.flash_backward(q, k, v, o, lse, do, jnp.zeros_like(lse), cu, cu, used, used, **kw,
+                                           rows_covered=os.environ.get("LAYOUT") == "padded")
                 for name, x in zip(("dq", "dk", "dv"), g):
                     out[f"hd{H}_causal{int(causal)}_{dt.__name__}_{name}"] = np.asarray(x.astype(jnp.float32))
     return out

@@ -27,6 +27,8 @@ def main():
   ap.add_argument("--kinds", default="balanced,one_long")
   ap.add_argument("--calls", type=int, default=10)
   ap.add_argument("--head-dim", type=int, default=128)
+  ap.add_argument("--causal", default="1", help="comma list of 1 (causal, the default) / 0 (not)")
+  ap.add_argument("--bounds", default="tight,default", help="which max_seqlen bounds to trace")
   a = ap.parse_args()
   import jax
   import jax.numpy as jnp
@@ -41,10 +43,10 @@ def main():
     lens = doc_lengths(kind, rng)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     q, k, v = (jnp.asarray(rng.standard_normal((TOKENS, n, dim)), jnp.bfloat16) for _ in range(3))
-    for bound in ("tight", "default"):
+    for bound, causal in ((b, int(c)) for b in a.bounds.split(",") for c in a.causal.split(",")):
       mx = dict(max_seqlen_q=max(lens), max_seqlen_k=max(lens)) if bound == "tight" else {}
-      f = lambda q, k, v, mx=mx: jax_padsafe.varlen_attention(q, k, v, cu, cu, is_causal=True,  # noqa: E731
-                                                              implementation="cute", **mx)
+      f = lambda q, k, v, mx=mx, c=causal: jax_padsafe.varlen_attention(q, k, v, cu, cu, is_causal=bool(c),  # noqa: E731
+                                                                          implementation="cute", **mx)
       for label, fn in (("fwd", jax.jit(f)),
                         ("fwd+bwd", jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)),
                                                      (0, 1, 2))))):
@@ -58,7 +60,7 @@ def main():
         trace = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)[0]
         s = summarise(trace, a.calls)
         shutil.rmtree(d, ignore_errors=True)
-        print(f"\n{kind} ({len(lens)} docs, max {max(lens)}), max_seqlen {bound}, {label}: span {s['span_us']:.0f} us, "
+        print(f"\n{kind} ({len(lens)} docs, max {max(lens)}), max_seqlen {bound}, causal {causal}, {label}: span {s['span_us']:.0f} us, "
               f"busy {s['busy_us']:.0f} us, {s['kernels']:.0f} device ops per call")
         for name, count, dur in s["top"][:8]:
           print(f"  {dur:9.1f} us  x{count:4.1f}  {name}")

@@ -114,6 +114,25 @@ def sm90_tile_queue() -> bool:
     return os.environ.get("JPS_SM90_BWD_QUEUE", "1") != "0"
 
 
+# Head dims whose sm90 dK/dV and dQ kernels run every layout, dense ones too, through the tile queue
+# (`queue_dense`; benchmarks/NOTES_sm90_bwd.md, session 21).  Per-kernel times on 8 x 2048 tokens (H100, causal
+# and not, queued against one CTA per dense tile): dK/dV hd128 -7 to -8%, hd192 -7 to -8%, hd256 -11 to -12%, but
+# hd64 +2 to +5% and hd96 +1%; dQ hd64 -5 to -8%, hd128 -1 to -3%, hd192 -1 to -4%, hd256 -3 to -4%, but hd96
+# +1 to +4%.  Where the queue lost, the kernel keeps one CTA per dense tile.
+SM90_DENSE_QUEUE = {"dkdv": (128, 192, 256), "dq": (64, 128, 192, 256)}
+
+
+def sm90_dense_queue(head_dim: int) -> tuple:
+    """(dK/dV, dQ) `queue_dense` of the sm90 family at `head_dim`.  JPS_SM90_BWD_DENSE_QUEUE=0 turns it off,
+    =all on for both kernels at every head dim (A/B builds); it needs the queue itself (sm90_tile_queue)."""
+    env = os.environ.get("JPS_SM90_BWD_DENSE_QUEUE", "")
+    if env == "0" or not sm90_tile_queue():
+        return (False, False)
+    if env == "all":
+        return (True, True)
+    return (head_dim in SM90_DENSE_QUEUE["dkdv"], head_dim in SM90_DENSE_QUEUE["dq"])
+
+
 # sm90f family (fused dQ, 5 GEMMs): the dK/dV kernel's (block_m, block_n, stages); it also computes dS K per
 # step and adds it into a zero-filled fp32 dQ accumulator in key-tile order (bwd_sm90.BwdDKDVQSm90), and a
 # conversion kernel writes dQ (bwd_sm90.DqConvertSm90).  Needs the caller's fp32 workspace (jps_bwd.cc);
@@ -233,9 +252,11 @@ def _compile_one(args):
         # (dtype, head_dim, block_m, block_n, stages, softcap): the tile's third entry is a stage count here.
         pin = sm90_pin_waits(H)
         queue = dict(dynamic_compact=sm90_tile_queue(), stage_out=os.environ.get("JPS_SM90_BWD_QUEUE") != "nostage")
-        passes = {"dkdv": BwdDKDVSm90(dt, H, bm, bn, nt, variant.softcap, pin_waits=pin, **queue)}
-        dq_kernel = BwdDQSm90(dt, H, bm_q, bn_q, nt_q, variant.softcap, pin_waits=pin, **queue,
-                              **sm90_dq_opts(H, variant.softcap))
+        dense_dkdv, dense_dq = sm90_dense_queue(H)
+        passes = {"dkdv": BwdDKDVSm90(dt, H, bm, bn, nt, variant.softcap, pin_waits=pin, queue_dense=dense_dkdv,
+                                      **queue)}
+        dq_kernel = BwdDQSm90(dt, H, bm_q, bn_q, nt_q, variant.softcap, pin_waits=pin, queue_dense=dense_dq,
+                              **queue, **sm90_dq_opts(H, variant.softcap))
     else:
         st_kv, st_q = variant.stages
         # One kernel class; the split variants compile it twice with a compile-time output selector.
@@ -319,15 +340,17 @@ def write_registry(out: str, built):
         p = v.prefix
         # dkdv = the first dK/dV launch (both outputs, or the dV pass); dk = the dK pass or null.
         first, second = ("dv", f"&{p}_dk_module, &{p}_dk_launch") if v.split else ("dkdv", "0, 0")
-        # The sm90 kernels' tiles decide whether the handler zeroes their tile counters (jps_bwd.cc).
-        blocks = f"{v.tile[0][1]}, {v.tile[1][0]}" if v.family == "sm90" else "0, 0"
+        # The sm90 kernels' tiles, and which of them queue every layout (1: dK/dV, 2: dQ), decide whether the
+        # handler zeroes their tile counters (jps_bwd.cc).
+        queue_all = sum(bit for bit, on in zip((1, 2), sm90_dense_queue(v.head_dim)) if on)
+        blocks = f"{v.tile[0][1]}, {v.tile[1][0]}, {queue_all}" if v.family == "sm90" else "0, 0, 0"
         body.append(
             f"  {{{V.ARCH_CODE[v.arch]}, {V.DTYPE_CODE[v.dtype]}, {v.head_dim}, {int(v.softcap)}, &{p}_load, "
             f"&{p}_pre_module, &{p}_pre_launch, &{p}_{first}_module, &{p}_{first}_launch, &{p}_dq_module, "
             f"&{p}_dq_launch, \"{p}\", {V.FAMILY_CODE[v.family]}, {second}, {blocks}}},"
         )
     if not built:
-        body.append("  {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \"none\", 0, 0, 0, 0, 0},")
+        body.append("  {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \"none\", 0, 0, 0, 0, 0, 0},")
     body.append("};")
     body.append(f"static const int kJpsNumBwdVariants = {len(built)};")
     with open(os.path.join(out, "jps_bwd_registry.h"), "w") as f:

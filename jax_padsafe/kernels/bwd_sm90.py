@@ -25,7 +25,10 @@ With the queue (`dynamic_compact`), a CTA's producer warp claims the next tile o
 issued, skips the compact schedule's holes itself, and loads the next tile's operands while the consumers finish
 the current one; up to head dim 128 the consumers stage their outputs through tiles of their own
 (`stage_out`), so the resident operands are released before the epilogue.  Which CTA computes a tile changes,
-how it is computed does not: the results are bitwise those of one CTA per tile.
+how it is computed does not: the results are bitwise those of one CTA per tile.  Where measured faster
+(`queue_dense`), the dense layouts take the same queued schedule: a dense batch's compact tiles are its dense
+tiles plus one hole per sequence, so the persistent CTAs also overlap one key (query) tile's epilogue with the
+next one's loads there, which one CTA per dense tile cannot.
 
 Pad-safety under TMA (TMA zero-fills only outside the whole tensor; rows past a sequence's valid length
 inside it hold anything: NaN, Inf, the next sequence):
@@ -113,12 +116,15 @@ class BwdDKDVSm90(_Sm90BwdBase):
 
     def __init__(self, dtype, head_dim: int, block_m: int = 64, block_n: int = 128, num_stages: int = 2,
                  has_softcap: bool = False, pin_waits: bool = False, dynamic_compact: bool = True,
-                 stage_out: bool = True):
+                 stage_out: bool = True, queue_dense: bool = False):
         super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
         assert block_n in (64, 128)
         # The compact schedule with persistent CTAs that claim their key tiles from a counter (tile_queue);
         # False: one CTA per compact tile (the schedule until session 20).  The fused-dQ kernel stays dense.
         self.dynamic_compact = dynamic_compact
+        # Every layout takes the queued compact schedule, dense ones too (see the module docstring); the
+        # FFI handler then zeroes the counter on every call (the registry's `queue_all`).
+        self.queue_dense = dynamic_compact and queue_dense
         self.persistent_ctas = 132  # SMs of an H100 SXM / H200; more than a smaller part holds is harmless
         # The queued kernel stages dK / dV through tiles of their own (64 KB at head dim 128), so a tile's K / V
         # can be released, and the next tile's loaded, before its epilogue.  Not at head dims 192 / 256 (block_n
@@ -257,20 +263,30 @@ class BwdDKDVSm90(_Sm90BwdBase):
                     mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, group,
                     score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
                     sQ_layout, sK_layout, mma_s, mma_kv, copy_out, q_bytes, k_bytes, SharedStorage)
-            if bounds.use_compact_grid(max_seqlen_k, total_k, batch, BN) != 0:
-                grid_c = bounds.tile_grid(True, max_seqlen_k, total_k, heads_kv, batch, BN)
-                smem_c = SharedStorage.size_in_bytes()
-                if cutlass.const_expr(self.dynamic_compact):
-                    # One wave of persistent CTAs that claim the compact tiles (x: tiles per kv head, y: kv heads).
-                    grid_c = (cutlass.min(grid_c[0] * grid_c[1], self.persistent_ctas), 1, 1)
-                if cutlass.const_expr(self.separate_out):
-                    smem_c += 2 * k_bytes + 1024  # the dK / dV staging tiles (`body`), 1024-byte aligned
-                self.kernel(*args, True).launch(
-                    grid=grid_c, block=[self.num_threads, 1, 1], smem=smem_c, stream=stream, min_blocks_per_mp=1)
+            if cutlass.const_expr(self.queue_dense):
+                self._launch_compact(args, max_seqlen_k, total_k, heads_kv, batch, k_bytes, SharedStorage, stream)
             else:
-                self.kernel(*args, False).launch(
-                    grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
-                    min_blocks_per_mp=1)
+                if bounds.use_compact_grid(max_seqlen_k, total_k, batch, BN) != 0:
+                    self._launch_compact(args, max_seqlen_k, total_k, heads_kv, batch, k_bytes, SharedStorage,
+                                         stream)
+                else:
+                    self.kernel(*args, False).launch(
+                        grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
+                        stream=stream, min_blocks_per_mp=1)
+
+    def _launch_compact(self, args, max_seqlen_k, total_k, heads_kv, batch, k_bytes, SharedStorage, stream):
+        """Launch the compact schedule: one wave of queued persistent CTAs, or one CTA per compact tile.  A plain
+        method, traced inline by the caller's `__call__` (its Python `if`s are compile-time choices)."""
+        BN = self.block_n
+        grid_c = bounds.tile_grid(True, max_seqlen_k, total_k, heads_kv, batch, BN)
+        smem_c = SharedStorage.size_in_bytes()
+        if self.dynamic_compact:
+            # One wave of persistent CTAs that claim the compact tiles (x: tiles per kv head, y: kv heads).
+            grid_c = (cutlass.min(grid_c[0] * grid_c[1], self.persistent_ctas), 1, 1)
+        if self.separate_out:
+            smem_c += 2 * k_bytes + 1024  # the dK / dV staging tiles (`body`), 1024-byte aligned
+        self.kernel(*args, True).launch(
+            grid=grid_c, block=[self.num_threads, 1, 1], smem=smem_c, stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(
@@ -1130,7 +1146,8 @@ class BwdDQSm90(_Sm90BwdBase):
 
     def __init__(self, dtype, head_dim: int, block_m: int = 128, block_n: int = 64, num_stages: int = 2,
                  has_softcap: bool = False, operands_in_regs: bool = False, overlap_steps: bool = False,
-                 pin_waits: bool = False, dynamic_compact: bool = True, stage_out: bool = True):
+                 pin_waits: bool = False, dynamic_compact: bool = True, stage_out: bool = True,
+                 queue_dense: bool = False):
         """Two options, off in the build (`bwd_build.SM90_BWD_DQ_OPTS`): neither changed forward+backward beyond
         the +-2% noise on the H100 (session 8), as this kernel already runs at ~620 TFLOP/s of executed GEMM
         work (benchmarks/NOTES_sm90_bwd.md).
@@ -1153,6 +1170,8 @@ class BwdDQSm90(_Sm90BwdBase):
         # The compact schedule with persistent CTAs that claim their query tiles from a counter (tile_queue),
         # as the forward's; False: one CTA per compact tile (the schedule until session 20).
         self.dynamic_compact = dynamic_compact
+        # Every layout takes the queued compact schedule, dense ones too (as BwdDKDVSm90.queue_dense).
+        self.queue_dense = dynamic_compact and queue_dense
         self.persistent_ctas = 132  # SMs of an H100 SXM / H200; more than a smaller part holds is harmless
         # The queued kernel stages dQ through a tile of its own (32 KB at head dim 128), so a tile's Q / dO can
         # be released, and the next tile's loaded, before its epilogue; not above head dim 128 (no room).
@@ -1222,20 +1241,30 @@ class BwdDQSm90(_Sm90BwdBase):
                 mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, group,
                 score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
                 sQ_layout, sK_layout, mma_s, mma_q, copy_out, q_bytes, k_bytes, SharedStorage)
-        if bounds.use_compact_grid(max_seqlen_q, total_q, batch, BM) != 0:
-            grid = bounds.tile_grid(True, max_seqlen_q, total_q, cute.size(mQ.shape[1]), batch, BM)
-            smem_c = SharedStorage.size_in_bytes()
-            if cutlass.const_expr(self.dynamic_compact):
-                # One wave of persistent CTAs that claim the compact tiles (x: tiles per head, y: heads).
-                grid = (cutlass.min(grid[0] * grid[1], self.persistent_ctas), 1, 1)
-            if cutlass.const_expr(self.separate_out):
-                smem_c += q_bytes + 1024  # the dQ staging tile (`kernel`), 1024-byte aligned
-            self.kernel(*args, True).launch(
-                grid=grid, block=[self.num_threads, 1, 1], smem=smem_c, stream=stream, min_blocks_per_mp=1)
+        heads = cute.size(mQ.shape[1])
+        if cutlass.const_expr(self.queue_dense):
+            self._launch_compact(args, max_seqlen_q, total_q, heads, batch, q_bytes, SharedStorage, stream)
         else:
-            self.kernel(*args, False).launch(
-                grid=bounds.tile_grid(False, max_seqlen_q, total_q, cute.size(mQ.shape[1]), batch, BM),
-                block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+            if bounds.use_compact_grid(max_seqlen_q, total_q, batch, BM) != 0:
+                self._launch_compact(args, max_seqlen_q, total_q, heads, batch, q_bytes, SharedStorage, stream)
+            else:
+                self.kernel(*args, False).launch(
+                    grid=bounds.tile_grid(False, max_seqlen_q, total_q, heads, batch, BM),
+                    block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+                    min_blocks_per_mp=1)
+
+    def _launch_compact(self, args, max_seqlen_q, total_q, heads, batch, q_bytes, SharedStorage, stream):
+        """Launch the compact schedule (as BwdDKDVSm90._launch_compact)."""
+        BM = self.block_m
+        grid = bounds.tile_grid(True, max_seqlen_q, total_q, heads, batch, BM)
+        smem_c = SharedStorage.size_in_bytes()
+        if self.dynamic_compact:
+            # One wave of persistent CTAs that claim the compact tiles (x: tiles per head, y: heads).
+            grid = (cutlass.min(grid[0] * grid[1], self.persistent_ctas), 1, 1)
+        if self.separate_out:
+            smem_c += q_bytes + 1024  # the dQ staging tile (`kernel`), 1024-byte aligned
+        self.kernel(*args, True).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=smem_c, stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(
