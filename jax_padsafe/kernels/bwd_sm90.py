@@ -100,6 +100,21 @@ class _Sm90BwdBase:
         cute.arch.sync_threads()
         return pipe_res, pipe_str
 
+    def _launch_compact(self, args, max_seqlen, total_rows, heads, batch, block: int, staging_bytes: int,
+                        SharedStorage, stream):
+        """Launch `self.kernel`'s compact schedule over `heads` heads of `block`-row tiles (key tiles for dK/dV,
+        query tiles for dQ): one wave of queued persistent CTAs (`dynamic_compact`; x: tiles per head times heads),
+        or one CTA per compact tile.  `staging_bytes`: the output staging tiles' shared memory (`separate_out`).
+        A plain method, traced inline by the caller's `__call__`: its `if`s are compile-time choices."""
+        grid = bounds.tile_grid(True, max_seqlen, total_rows, heads, batch, block)
+        smem = SharedStorage.size_in_bytes()
+        if self.dynamic_compact:
+            grid = (cutlass.min(grid[0] * grid[1], self.persistent_ctas), 1, 1)
+        if self.separate_out:
+            smem += staging_bytes + 1024  # 1024-byte aligned
+        self.kernel(*args, True).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=smem, stream=stream, min_blocks_per_mp=1)
+
 
 class BwdDKDVSm90(_Sm90BwdBase):
     """dK, dV for one key tile (all query heads of its GQA group), in one of two warpgroup splits:
@@ -263,30 +278,17 @@ class BwdDKDVSm90(_Sm90BwdBase):
                     mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, group,
                     score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
                     sQ_layout, sK_layout, mma_s, mma_kv, copy_out, q_bytes, k_bytes, SharedStorage)
+            # The dK / dV staging tiles (`body`) of the compact kernel.
+            compact = (args, max_seqlen_k, total_k, heads_kv, batch, BN, 2 * k_bytes, SharedStorage, stream)
             if cutlass.const_expr(self.queue_dense):
-                self._launch_compact(args, max_seqlen_k, total_k, heads_kv, batch, k_bytes, SharedStorage, stream)
+                self._launch_compact(*compact)
             else:
                 if bounds.use_compact_grid(max_seqlen_k, total_k, batch, BN) != 0:
-                    self._launch_compact(args, max_seqlen_k, total_k, heads_kv, batch, k_bytes, SharedStorage,
-                                         stream)
+                    self._launch_compact(*compact)
                 else:
                     self.kernel(*args, False).launch(
                         grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
                         stream=stream, min_blocks_per_mp=1)
-
-    def _launch_compact(self, args, max_seqlen_k, total_k, heads_kv, batch, k_bytes, SharedStorage, stream):
-        """Launch the compact schedule: one wave of queued persistent CTAs, or one CTA per compact tile.  A plain
-        method, traced inline by the caller's `__call__` (its Python `if`s are compile-time choices)."""
-        BN = self.block_n
-        grid_c = bounds.tile_grid(True, max_seqlen_k, total_k, heads_kv, batch, BN)
-        smem_c = SharedStorage.size_in_bytes()
-        if self.dynamic_compact:
-            # One wave of persistent CTAs that claim the compact tiles (x: tiles per kv head, y: kv heads).
-            grid_c = (cutlass.min(grid_c[0] * grid_c[1], self.persistent_ctas), 1, 1)
-        if self.separate_out:
-            smem_c += 2 * k_bytes + 1024  # the dK / dV staging tiles (`body`), 1024-byte aligned
-        self.kernel(*args, True).launch(
-            grid=grid_c, block=[self.num_threads, 1, 1], smem=smem_c, stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(
@@ -1242,29 +1244,18 @@ class BwdDQSm90(_Sm90BwdBase):
                 score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
                 sQ_layout, sK_layout, mma_s, mma_q, copy_out, q_bytes, k_bytes, SharedStorage)
         heads = cute.size(mQ.shape[1])
+        # The dQ staging tile (`kernel`) of the compact kernel.
+        compact = (args, max_seqlen_q, total_q, heads, batch, BM, q_bytes, SharedStorage, stream)
         if cutlass.const_expr(self.queue_dense):
-            self._launch_compact(args, max_seqlen_q, total_q, heads, batch, q_bytes, SharedStorage, stream)
+            self._launch_compact(*compact)
         else:
             if bounds.use_compact_grid(max_seqlen_q, total_q, batch, BM) != 0:
-                self._launch_compact(args, max_seqlen_q, total_q, heads, batch, q_bytes, SharedStorage, stream)
+                self._launch_compact(*compact)
             else:
                 self.kernel(*args, False).launch(
                     grid=bounds.tile_grid(False, max_seqlen_q, total_q, heads, batch, BM),
                     block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
                     min_blocks_per_mp=1)
-
-    def _launch_compact(self, args, max_seqlen_q, total_q, heads, batch, q_bytes, SharedStorage, stream):
-        """Launch the compact schedule (as BwdDKDVSm90._launch_compact)."""
-        BM = self.block_m
-        grid = bounds.tile_grid(True, max_seqlen_q, total_q, heads, batch, BM)
-        smem_c = SharedStorage.size_in_bytes()
-        if self.dynamic_compact:
-            # One wave of persistent CTAs that claim the compact tiles (x: tiles per head, y: heads).
-            grid = (cutlass.min(grid[0] * grid[1], self.persistent_ctas), 1, 1)
-        if self.separate_out:
-            smem_c += q_bytes + 1024  # the dQ staging tile (`kernel`), 1024-byte aligned
-        self.kernel(*args, True).launch(
-            grid=grid, block=[self.num_threads, 1, 1], smem=smem_c, stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(
