@@ -97,6 +97,13 @@ def test_backward_adapters_pass_tile_counters_to_the_sm90_family_only(tmp_path, 
     assert rows[sm90.prefix].endswith('"%s", 1, 0, 0, 128, 128, 3},' % sm90.prefix)
     for f in ("sm80", "sm90f"):
         assert rows[fams[f].prefix].endswith(", 0, 0, 0, 0, 0},")
+    # The bits the build read off the compiled kernels (`_compile_one`) win over the policy table, so the row
+    # always describes the kernels that were linked, whatever the environment the table was evaluated in.
+    hd96 = BB.BwdVariant("sm_90a", "bf16", 96, False, "sm90")
+    BB.write_registry(str(tmp_path), [sm90, hd96], {sm90.prefix: 1, hd96.prefix: 2})
+    text = (tmp_path / "jps_bwd_registry.h").read_text()
+    rows = {v.prefix: next(line for line in text.splitlines() if f'"{v.prefix}"' in line) for v in (sm90, hd96)}
+    assert rows[sm90.prefix].endswith(", 128, 128, 1},") and rows[hd96.prefix].endswith(", 2},")
 
 
 def test_dense_queue_policy(monkeypatch):
