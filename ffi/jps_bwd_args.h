@@ -49,6 +49,6 @@ struct JpsBwdVariant {
   // whether a call may take the compact schedules (and so needs zeroed tile counters); 0 otherwise.
   int dkdv_block_n, dq_block_m;
   // Family 1: the kernels that take their queued schedule on every layout, dense ones too (bit 0: dK/dV,
-  // bit 1: dQ; bwd_build.sm90_dense_queue): then every call needs zeroed tile counters.
+  // bit 1: dQ; read off the compiled kernels by bwd_build._compile_one): then every call needs zeroed tile counters.
   int queue_all;
 };
