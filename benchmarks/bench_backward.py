@@ -1,4 +1,4 @@
-"""Forward+backward TFLOP/s of the CuTe kernels (ops.flash_forward + bwd_ops.flash_backward) vs
+"""Forward+backward TFLOP/s of the CuTe kernels (flash_forward + flash_backward of the cute backend) vs
 jax.nn.dot_product_attention (implementation="cudnn" and "xla") in one run.  bf16, 16k tokens per batch.
 
     PYTHONPATH=. python benchmarks/bench_backward.py [--out results.json] [--dims 128] [--seqs 2048,4096,8192]
@@ -11,7 +11,7 @@ its deterministic backward: the like-for-like comparison.  The flag is read when
 needs a process of its own (the JSON records it).
 
 Each timed call computes o = attention(q, k, v) and (dq, dk, dv) = vjp(do) under one jit.  FLOPs counted
-as in ../shared anchors: forward 4 * N * H * (visible pairs), forward+backward 3.5x that (backward = 2.5x
+the usual way: forward 4 * N * H * (visible pairs), forward+backward 3.5x that (backward = 2.5x
 forward).  Timing: 2 warm-up calls, median of 5 rounds of `iters` back-to-back calls.
 """
 

@@ -11,10 +11,9 @@ query rows of a sequence is what bottom-right causal masking gives).  Bandwidth 
 K and V bytes (2 x sum(lengths) x KV heads x 128 x 2 B): a kernel that streams the cache at the HBM
 rate reaches ~3 TB/s on an H100.
 Timing: jit, 2 warm-up calls, then the median of 5 rounds of `iters` back-to-back calls.
-jax_padsafe rewrites these calls before the kernels (`jax_padsafe/_split_kv.py`: GQA heads packed into
-query rows, keys split into chunks); JAX_PADSAFE_SPLIT_KV=0 measures the kernels without it, and
-`--split-tiles MIN,TARGET` tries other thresholds (split grids of fewer than MIN query tiles into about
-TARGET).
+jax_padsafe rewrites these calls before the kernels (the cute backend's split_kv module: GQA heads
+packed into query rows, keys split into chunks); `--split-tiles MIN,TARGET` tries other thresholds (split
+grids of fewer than MIN query tiles into about TARGET).
 """
 
 import argparse
@@ -80,7 +79,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--impls", default="cute,padsafe_xla,cudnn,xla")
-    ap.add_argument("--split-tiles", default="", help="MIN,TARGET: the split thresholds (experiments)")
+    ap.add_argument("--split-tiles", default="", help="MIN,TARGET: the split thresholds (tuning)")
     a = ap.parse_args()
     if a.split_tiles:
         _split_kv._ONE_WAVE, _split_kv._TARGET_TILES = (int(x) for x in a.split_tiles.split(","))

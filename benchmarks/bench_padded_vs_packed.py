@@ -1,6 +1,6 @@
 """What padding costs: the same valid tokens as a padded batch and as a packed batch, on the kernels.
 
-Issue #7's criterion: "the padded batch costs no more than 3% over the same valid tokens packed".
+The aim: a padded batch costs no more than 3% over the same valid tokens packed.
 For each case a padded batch [B, S] with lengths drawn uniformly in [0.4 S, S] (~30% padding) runs
 through `dot_product_attention(query_seq_lengths=, key_value_seq_lengths=)`, and the same valid rows,
 packed back to back without gaps, run through `varlen_attention(cu_seqlens)`. Both use the public

@@ -14,8 +14,7 @@ forward and forward+backward, causal and not. It reports TFLOP/s of the whole ri
 device and the scaling efficiency ``(ring TFLOP/s / P) / one-device TFLOP/s``.
 
 FLOPs counted: ``4 * B * N * H * pairs`` forward, ``pairs = T*S`` (non-causal) or ``T*(T+1)/2``
-(causal); forward+backward counts 3.5x the forward (backward = 2.5x forward), as in
-``../shared/TOOLCHAIN_FACTS.md``. Timing: jit, 2 warm-up calls, median of ``--rounds`` rounds of
+(causal); forward+backward counts 3.5x the forward (backward = 2.5x forward). Timing: jit, 2 warm-up calls, median of ``--rounds`` rounds of
 ``--iters`` calls around ``block_until_ready``.
 
 Read the efficiency with two facts in mind: FLOPs count only the useful (visible) pairs, and the
@@ -25,8 +24,8 @@ overlap with compute only where XLA's latency-hiding scheduler moves the async
 collective-permutes (default on GPUs; ``XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true``
 forces it).
 
-GPU (the lead runs this on 2 H200s; the pure-JAX path at 32k tokens takes a while, so split the
-run to stay inside a 10-minute command limit; results are written after every row)::
+GPU (e.g. 2 H200s; the pure-JAX path at 32k tokens takes minutes, so a run can be split; results are
+written after every row)::
 
     PYTHONPATH=. python benchmarks/bench_ring.py --causal true  --out $OUT/bench_ring_causal.json
     PYTHONPATH=. python benchmarks/bench_ring.py --causal false --out $OUT/bench_ring_full.json
