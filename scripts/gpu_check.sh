@@ -14,7 +14,6 @@ case "$cmd" in
   build)
     set -e
     python3 -m jax_padsafe.kernels.build --out build/kernels
-    python3 -m jax_padsafe.kernels.bwd_build --out build/kernels
     cmake -S ffi -B build/ffi -DJPS_KERNEL_DIR="$PWD/build/kernels" -DCMAKE_BUILD_TYPE=Release >/dev/null
     cmake --build build/ffi -j"${JPS_JOBS:-2}"
     lib=jax_padsafe/_cute/lib/libjax_padsafe_kernels.so

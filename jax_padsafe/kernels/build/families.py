@@ -1,0 +1,241 @@
+"""What each kernel family compiles: the kernel objects of a variant, the fake (symbolic) arguments they are
+traced with, and the parameter list of every exported kernel, from which `registry.py` writes the C++ launch
+adapters. A kernel's `__call__` signature, its fake arguments here and its `Signature` here change together.
+
+`compile_variant` runs in a build worker process (`__main__.py`); it needs nvidia-cutlass-dsl and no GPU.
+"""
+
+import os
+import time
+from dataclasses import dataclass
+
+from .variants import SM80_BWD_STAGES, Variant, ZeroRowsKernel, sm80_fwd_stages
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A tensor parameter of an exported kernel. Its C struct is `<export>_Tensor_<name>_t`
+    (`{data, int32 dynamic_shapes[shapes], int64 dynamic_strides[strides]}`)."""
+    name: str  # the parameter's name in the kernel's __call__
+    init: str  # C initialiser of the struct, from the handler's argument struct `a`
+    var: str = ""  # the adapter's local variable (default: `name`)
+    shapes: int = 0  # dynamic shapes and strides of the struct (checked with static_asserts where given)
+    strides: int = 0
+
+    @property
+    def local(self) -> str:
+        return self.var or self.name
+
+
+@dataclass(frozen=True)
+class Signature:
+    tensors: tuple  # Tensor parameters, in call order
+    scalars: str  # C expressions of the scalar parameters that follow them (the stream comes last)
+
+
+# C initialisers from JpsFwdArgs / JpsBwdArgs: [total_q, N, H] and [total_k, K, H] tensors (H static), [N, total_q]
+# float32 rows, cu_seqlens [B + 1] and seqused [B].
+_Q = "{a->%s, {a->total_q, a->num_heads}, {(int64_t)a->num_heads * a->head_dim}}"
+_K = "{a->%s, {a->total_k, a->num_kv_heads}, {(int64_t)a->num_kv_heads * a->head_dim}}"
+_R = "{a->%s, {a->num_heads, a->total_q}, {(int64_t)a->total_q}}"
+_CU = "{a->%s, {a->batch + 1}}"
+_US = "{a->%s, {a->batch}}"
+
+_FWD = (
+    Tensor("mQ", _Q % "q", "q", 2, 1), Tensor("mK", _K % "k", "k", 2, 1), Tensor("mV", _K % "v", "v", 2, 1),
+    Tensor("mO", _Q % "o", "o", 2, 1), Tensor("mLSE", _R % "lse", "lse", 2, 1),
+    Tensor("mCuQ", _CU % "cu_q", "cuq", 1), Tensor("mCuK", _CU % "cu_k", "cuk", 1),
+    Tensor("mUsedQ", _US % "used_q", "uq", 1), Tensor("mUsedK", _US % "used_k", "uk", 1),
+)
+_FWD_SCALARS = "a->score_mul, a->cap_mul, a->window_left, a->window_right, a->bottom_right, a->max_seqlen_q"
+
+_BWD = {
+    "pre": Signature((Tensor("mO", _Q % "o"), Tensor("mdO", _Q % "dout"), Tensor("mLSE", _R % "lse"),
+                      Tensor("mdLSE", _R % "dlse"), Tensor("mDelta", _R % "delta"), Tensor("mCuQ", _CU % "cu_q"),
+                      Tensor("mUsedQ", _US % "used_q")), "a->max_seqlen_q"),
+    "dkdv": Signature((Tensor("mQ", _Q % "q"), Tensor("mK", _K % "k"), Tensor("mV", _K % "v"),
+                       Tensor("mdO", _Q % "dout"), Tensor("mLSE", _R % "lse"), Tensor("mDelta", _R % "delta"),
+                       Tensor("mdK", _K % "dk"), Tensor("mdV", _K % "dv"), Tensor("mCuQ", _CU % "cu_q"),
+                       Tensor("mCuK", _CU % "cu_k"), Tensor("mUsedQ", _US % "used_q"), Tensor("mUsedK", _US % "used_k")),
+                      "a->score_mul, a->cap_mul, a->dscale, a->window_left, a->window_right, a->bottom_right, "
+                      "a->max_seqlen_k"),
+    "dq": Signature((Tensor("mQ", _Q % "q"), Tensor("mK", _K % "k"), Tensor("mV", _K % "v"),
+                     Tensor("mdO", _Q % "dout"), Tensor("mLSE", _R % "lse"), Tensor("mDelta", _R % "delta"),
+                     Tensor("mdQ", _Q % "dq"), Tensor("mCuQ", _CU % "cu_q"), Tensor("mCuK", _CU % "cu_k"),
+                     Tensor("mUsedQ", _US % "used_q"), Tensor("mUsedK", _US % "used_k")),
+                    "a->score_mul, a->cap_mul, a->dscale, a->window_left, a->window_right, a->bottom_right, "
+                    "a->max_seqlen_q"),
+}
+# The dV and dK passes of a split sm80 variant have the dK/dV kernel's signature.
+_BWD["dv"] = _BWD["dk"] = _BWD["dkdv"]
+# The sm90 family's kernels also take the tile counter of their compact schedule's queue, after seqused_k:
+# the forward JpsFwdArgs.tile_counter, the backward's dK/dV kernel JpsBwdArgs.tile_counters[0], its dQ kernel [1].
+_FWD_SM90 = _FWD + (Tensor("mTileCounter", "{a->tile_counter, {1}}", "tc", 1),)
+_BWD_SM90 = dict(_BWD, dkdv=Signature(_BWD["dkdv"].tensors + (Tensor("mTileCounter", "{a->tile_counters, {1}}"),),
+                                      _BWD["dkdv"].scalars),
+                 dq=Signature(_BWD["dq"].tensors + (Tensor("mTileCounter", "{a->tile_counters + 1, {1}}"),),
+                              _BWD["dq"].scalars))
+# Row zeroing: two outputs seen as int32 [rows, 16-byte words, 4] (the same one twice for one output), cu_seqlens_q.
+_ZERO_ROWS = Signature((Tensor("mA", "{a, {rows, words}, {(int64_t)words * 4}}", "ta"),
+                        Tensor("mB", "{b, {rows, words}, {(int64_t)words * 4}}", "tb"),
+                        Tensor("mCu", "{cu, {batch + 1}}", "tc")), "bound")
+
+
+def signature(v, kernel: str = "") -> Signature:
+    """The parameter list of `v`'s exported kernel `kernel` (one of `v.kernels`)."""
+    if isinstance(v, ZeroRowsKernel):
+        return _ZERO_ROWS
+    if v.kind == "fwd":
+        return Signature(_FWD_SM90 if v.family == "sm90" else _FWD, _FWD_SCALARS)
+    return (_BWD_SM90 if v.family == "sm90" else _BWD)[kernel]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compilation (build worker process).
+
+def compile_variant(v, out: str) -> dict:
+    """Compile and export every kernel of `v` into `out` (`<export>.o` + `<export>.h`). Returns the facts the
+    registry takes from the compiled kernels (backward: `queue_all`)."""
+    os.environ["CUTE_DSL_ARCH"] = v.arch  # read by the DSL when it traces
+    import ctypes
+
+    from cutlass.runtime import find_runtime_libraries
+
+    # The DSL runtime library, loaded globally first: needed to compile on a host without a GPU.
+    ctypes.CDLL(find_runtime_libraries(enable_tvm_ffi=False)[0], ctypes.RTLD_GLOBAL)
+    if isinstance(v, ZeroRowsKernel):
+        return _compile_zero_rows(v, out)
+    return {("fwd", "sm80"): _compile_fwd_sm80, ("fwd", "sm90"): _compile_fwd_sm90,
+            ("bwd", "sm80"): _compile_bwd, ("bwd", "sm90"): _compile_bwd}[(v.kind, v.family)](v, out)
+
+
+def _dtype(v: Variant):
+    import cutlass
+
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[v.dtype]
+
+
+def _export(compiled, out: str, name: str):
+    compiled.export_to_c(out, name, function_prefix=name)
+
+
+def _compile_zero_rows(z: ZeroRowsKernel, out: str) -> dict:
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.runtime import make_fake_stream
+
+    from ..row_zeroing import ZeroUncoveredRows
+
+    def words():  # an output as Int32 [rows, 16-byte words, 4]
+        return make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), 4), stride_order=(2, 1, 0),
+                                        assumed_align=16)
+
+    a = words()
+    b = words() if z.num_outputs == 2 else a
+    cu = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
+    _export(cute.compile(ZeroUncoveredRows(z.num_outputs), a, b, cu, 0, make_fake_stream(),
+                         options=f"--gpu-arch {z.arch}"), out, z.prefix)
+    return {}
+
+
+def _compile_fwd_sm80(v: Variant, out: str) -> dict:
+    from ..fwd_sm80 import FlashFwdSm80
+
+    bm, bn, nt = v.tuning.fwd
+    kern = FlashFwdSm80(_dtype(v), v.head_dim, bm, bn, nt, v.softcap, stages=sm80_fwd_stages(v.arch, v.head_dim))
+    return _compile_fwd(v, out, kern, counter=False)
+
+
+def _compile_fwd_sm90(v: Variant, out: str) -> dict:
+    from ..fwd_sm90 import FlashFwdSm90
+
+    t = v.tuning
+    bm, bn, stages = t.fwd
+    kern = FlashFwdSm90(_dtype(v), v.head_dim, bm, bn, stages, v.softcap, prefetch_next_tile=t.fwd_prefetch_next_tile,
+                        pin_pv_wait=t.fwd_pin_pv_wait, rescale_o_early=t.fwd_rescale_o_early)
+    return _compile_fwd(v, out, kern, counter=True)
+
+
+def _compile_fwd(v: Variant, out: str, kern, counter: bool) -> dict:
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.runtime import make_fake_stream
+
+    dt, H, sym = _dtype(v), v.head_dim, cute.sym_int
+
+    def qkv():
+        return make_fake_compact_tensor(dt, (sym(), sym(), H), stride_order=(2, 1, 0), assumed_align=16)
+
+    q, k, v_, o = qkv(), qkv(), qkv(), qkv()
+    lse = make_fake_compact_tensor(cutlass.Float32, (sym(), sym()), stride_order=(1, 0), assumed_align=4)
+    # cu_seqlens_q/k, seqused_q/k (+ the sm90 family's tile counter).
+    vec = [make_fake_compact_tensor(cutlass.Int32, (sym(),), assumed_align=4) for _ in range(5 if counter else 4)]
+    compiled = cute.compile(kern, q, k, v_, o, lse, *vec, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(),
+                            options=f"--gpu-arch {v.arch}")
+    _export(compiled, out, v.prefix)
+    return {}
+
+
+def _compile_bwd(v: Variant, out: str) -> dict:
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.runtime import make_fake_stream
+
+    from ..bwd_sm80 import BwdDKDV, BwdDQ, BwdPreprocess
+
+    dt, H, sym = _dtype(v), v.head_dim, cute.sym_int
+    t = v.tuning
+    (bm, bn, nt), (bm_q, bn_q, nt_q) = t.dkdv, t.dq
+    opts = f"--gpu-arch {v.arch}"
+
+    def x3():
+        return make_fake_compact_tensor(dt, (sym(), sym(), H), stride_order=(2, 1, 0), assumed_align=16)
+
+    def f2():
+        return make_fake_compact_tensor(cutlass.Float32, (sym(), sym()), stride_order=(1, 0), assumed_align=4)
+
+    def i1():
+        return make_fake_compact_tensor(cutlass.Int32, (sym(),), assumed_align=4)
+
+    p = v.prefix
+    pre = cute.compile(BwdPreprocess(dt, H), x3(), x3(), f2(), f2(), f2(), i1(), i1(), 0, make_fake_stream(),
+                       options=opts)
+    _export(pre, out, p + "_pre")
+    if v.family == "sm90":
+        from ..bwd_sm90 import BwdDKDVSm90, BwdDQSm90
+
+        # The constructors take (dtype, head_dim, block_m, block_n, stages, softcap): the tile's third entry is
+        # a stage count here.
+        passes = {"dkdv": BwdDKDVSm90(dt, H, bm, bn, nt, v.softcap, pin_waits=t.bwd_pin_waits,
+                                      queue_dense=t.dkdv_queue_dense)}
+        dq_kernel = BwdDQSm90(dt, H, bm_q, bn_q, nt_q, v.softcap, pin_waits=t.bwd_pin_waits,
+                              queue_dense=t.dq_queue_dense)
+    else:
+        st_kv, st_q = SM80_BWD_STAGES
+        # One kernel class; the split variants compile it twice with a compile-time output selector.
+        passes = {kind: BwdDKDV(dt, H, bm, bn, nt, v.softcap, stages=st_kv, outputs=kind)
+                  for kind in v.kernels if kind in ("dkdv", "dv", "dk")}
+        dq_kernel = BwdDQ(dt, H, bm_q, bn_q, nt_q, v.softcap, stages=st_q)
+    counter = (i1(),) if v.family == "sm90" else ()  # sm90: the tile counter, after seqused_k
+    for kind, kern in passes.items():
+        dkdv = cute.compile(kern, x3(), x3(), x3(), x3(), f2(), f2(), x3(), x3(), i1(), i1(), i1(), i1(), *counter,
+                            1.0, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(), options=opts)
+        _export(dkdv, out, f"{p}_{kind}")
+    dq = cute.compile(dq_kernel, x3(), x3(), x3(), x3(), f2(), f2(), x3(), i1(), i1(), i1(), i1(), *counter,
+                      1.0, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(), options=opts)
+    _export(dq, out, p + "_dq")
+    # Which kernels were compiled to queue every layout, read off the kernel objects themselves: the registry's
+    # queue_all (the handler's cue to zero their tile counters on every call) then cannot disagree with them.
+    queue_all = sum(bit for bit, k in ((1, passes.get("dkdv")), (2, dq_kernel)) if getattr(k, "queue_dense", False))
+    return {"queue_all": queue_all}
+
+
+def timed_compile(args):
+    """Worker entry point: (variant, out) -> (variant, facts, seconds)."""
+    v, out = args
+    t0 = time.time()
+    facts = compile_variant(v, out)
+    return v, facts, time.time() - t0

@@ -1,0 +1,231 @@
+"""The variant matrix of every kernel the build compiles, forward and backward, and the tuning table.
+
+A variant is fixed at build time by (kind, family, arch, dtype, head dim, softcap on/off); everything else
+(lengths, head counts, scale, window, causal alignment, max_seqlen_q) is a run-time argument. Causal
+attention is a window with right = 0, so it needs no variant of its own.
+
+Kernel families:
+- "sm80": mma.sync + cp.async (forward `fwd_sm80.FlashFwdSm80`, backward `bwd_sm80`); built for every arch.
+- "sm90": TMA + wgmma, warp-specialised (forward `fwd_sm90.FlashFwdSm90`, backward `bwd_sm90`; the backward's
+  Delta preprocess is the sm80 one); sm_90a only. On compute capability 9.0 the FFI handlers prefer it and fall
+  back to the sm80 family's sm_90a build where a combination lacks it.
+Besides the attention variants, sm_90a builds the two row-zeroing kernels (`row_zeroing.ZeroUncoveredRows`,
+one and two outputs) that replace memsets of whole outputs under the sm90 family.
+
+Every performance choice of a kernel lives in TUNING below (one row per family and head dim), so a compiled
+object is described completely by its variant and its row (`Variant.options`, part of the build cache key).
+"""
+
+from dataclasses import dataclass
+
+ARCHS = ("sm_80", "sm_90a")
+DTYPES = ("bf16", "fp16")
+HEAD_DIMS = (64, 96, 128, 192, 256)
+SOFTCAP = (False, True)
+KINDS = ("fwd", "bwd")
+
+# Codes shared with ffi/ (the registry tables): dtype, family and arch codes.
+DTYPE_CODE = {"bf16": 0, "fp16": 1}
+FAMILY_CODE = {"sm80": 0, "sm90": 1}
+ARCH_CODE = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90a": 90, "sm_100a": 100, "sm_120": 120}
+# Archs a family is built for (None: every arch).
+FAMILY_ARCHS = {"sm80": None, "sm90": ("sm_90a",)}
+
+
+@dataclass(frozen=True)
+class Sm80Tuning:
+    """Tiles (block_m, block_n, threads) of the sm80 family's kernels at one head dim."""
+    fwd: tuple
+    dkdv: tuple
+    dq: tuple
+    # The backward's dK/dV kernel runs as two launches (a dV pass, then a dK pass): dK and dV together would
+    # need 2 x 16 x HD fp32 accumulators per warp, 2 x HD / 2 registers per thread (256 at hd256).
+    split_dkdv: bool = False
+
+
+@dataclass(frozen=True)
+class Sm90Tuning:
+    """Tiles (block_m, block_n, stages) and per-head-dim switches of the sm90 family's kernels at one head dim."""
+    fwd: tuple
+    dkdv: tuple
+    dq: tuple
+    # Forward: the producer prefetches the next tile's Q and first K / V block into L2 (several tiles per CTA).
+    fwd_prefetch_next_tile: bool = False
+    # Forward: the wait for P V kept after the softmax that overlaps it, and O rescaled between issuing S and
+    # issuing P V (FlashAttention-3's order); the results are bitwise the same either way.
+    fwd_pin_pv_wait: bool = False
+    fwd_rescale_o_early: bool = False
+    # Backward (both kernels): the wait for dP issued only after P in the input dtype is formed.
+    bwd_pin_waits: bool = False
+    # Backward: the kernel runs every layout, dense ones too, through its tile queue (else one CTA per dense
+    # tile); the FFI handler then zeroes that kernel's tile counter on every call (the registry's queue_all).
+    dkdv_queue_dense: bool = False
+    dq_queue_dense: bool = False
+
+
+# Measurements: H100 SXM, CUDA 13.0, nvidia-cutlass-dsl 4.8.1, 2026-11 (benchmarks/README.md for the current
+# end-to-end numbers).
+# sm80 forward: 4 warps; hd64 128x64 beats 128x128 (which spills) by ~19%; 8-warp tiles were slower at hd128/256.
+# sm80 backward: each warp owns 16 rows of the accumulators (dK and dV: 16 x HD each; dQ: 16 x HD); 8-warp tiles
+# (dK/dV 64x128x256) were 6-10% slower end to end, dQ 128x64x256 equal within noise. hd192/256 (dK/dV in two
+# passes): 32 query rows per dK/dV step and 32 keys per dQ step keep the S / dP fragments small next to the
+# accumulator; ptxas (sm_90a, bf16) reports 0 spills for the dV and dK passes and dQ (hd256 dQ with softcap:
+# 16 B), where 64 x 64 tiles spilled 184 B (dK pass, softcap) and 392-448 B (dQ). Shared memory: 128 KB per
+# block in every kernel (dV pass 96 KB), so two stages fit sm_80 (163 KB) and sm_90a.
+# sm90 forward: block_m = 2 consumer warpgroups x 64 rows; shared memory Q block_m x hd + 2 stages x (K + V)
+# block_n x hd, at most 227 KB (hd256: 225 KB). The L2 prefetch: hd64 +5-10% at >= 2k tokens, hd96 neutral, hd128
+# 5-9% slower at 512 tokens. The pinned P V wait with the early O rescale: hd128 +3-5% at 2k-16k tokens, causal
+# and not; hd64 -5% to +3%; hd96, 192 and 256 2-7% slower.
+# sm90 backward: block_m x block_n of the resident tile = 2 consumer warpgroups x 64 rows (dK/dV: keys, dQ:
+# queries); a dK/dV block_n of 64 (hd192/256) selects the head-dim split (each warpgroup keeps half of the head
+# dim of dK and dV). hd256's dQ kernel streams 32-key K/V tiles (Q + dO resident: 128 KB). Shared memory:
+# hd256 dK/dV 216 KB, hd256 and hd192 dQ 192 KB, hd192 dK/dV 168 KB (3 stages measured equal); hd64 64x128x3 and
+# 128x128x2 measured equal within 2%. Pinned dP waits: forward+backward hd128 +2-3% at 2k and 8k tokens, hd64 /
+# hd96 2-3% slower, hd192 / hd256 within +-1.5%. Dense layouts through the tile queue, per-kernel times on
+# 8 x 2048 tokens against one CTA per dense tile: dK/dV hd128 -7 to -8%, hd192 -7 to -8%, hd256 -11 to -12%, but
+# hd64 +2 to +5% and hd96 +1%; dQ hd64 -5 to -8%, hd128 -1 to -3%, hd192 -1 to -4%, hd256 -3 to -4%, but hd96
+# +1 to +4%.
+TUNING = {
+    "sm80": {
+        64: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
+        96: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
+        128: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
+        192: Sm80Tuning(fwd=(64, 64, 128), dkdv=(32, 64, 128), dq=(64, 32, 128), split_dkdv=True),
+        256: Sm80Tuning(fwd=(64, 64, 128), dkdv=(32, 64, 128), dq=(64, 32, 128), split_dkdv=True),
+    },
+    "sm90": {
+        64: Sm90Tuning(fwd=(128, 128, 2), dkdv=(64, 128, 2), dq=(128, 64, 2), fwd_prefetch_next_tile=True,
+                       dq_queue_dense=True),
+        96: Sm90Tuning(fwd=(128, 128, 2), dkdv=(64, 128, 2), dq=(128, 64, 2), fwd_prefetch_next_tile=True),
+        128: Sm90Tuning(fwd=(128, 128, 2), dkdv=(64, 128, 2), dq=(128, 64, 2), fwd_pin_pv_wait=True,
+                        fwd_rescale_o_early=True, bwd_pin_waits=True, dkdv_queue_dense=True, dq_queue_dense=True),
+        192: Sm90Tuning(fwd=(128, 112, 2), dkdv=(64, 64, 2), dq=(128, 64, 2), dkdv_queue_dense=True,
+                        dq_queue_dense=True),
+        256: Sm90Tuning(fwd=(128, 80, 2), dkdv=(64, 64, 2), dq=(128, 32, 2), dkdv_queue_dense=True,
+                        dq_queue_dense=True),
+    },
+}
+
+# Shared memory per SM by build target (bytes usable by CTAs); archs not named here: 227 KB.
+SMEM_PER_SM = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_120": 99 * 1024,
+               "sm_120a": 99 * 1024}
+
+
+def sm80_fwd_stages(arch: str, head_dim: int) -> int:
+    """K/V shared-memory stages of the sm80 forward: 2 (tile n-1 loads while tile n is computed) where two CTAs
+    with Q plus two K and two V tiles still fit one SM of `arch`, else 1 (a second stage that costs the second
+    CTA per SM loses more latency hiding than it gains)."""
+    block_m, block_n, _ = TUNING["sm80"][head_dim].fwd
+    two_stage_bytes = (block_m + 4 * block_n) * head_dim * 2 + 1024
+    return 2 if 2 * two_stage_bytes <= SMEM_PER_SM.get(arch, 227 * 1024) else 1
+
+
+# Shared-memory stages of the sm80 backward's streamed operands (dK/dV kernel: Q/dO, dQ kernel: K/V). Two stages
+# fit every default variant (sm_80 allows 163 KB per block; the largest tiles need 128 KB).
+SM80_BWD_STAGES = (2, 2)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One attention variant: `kind` "fwd" (one export, `prefix`) or "bwd" (the exports in `kernels`)."""
+    kind: str
+    arch: str
+    dtype: str
+    head_dim: int
+    softcap: bool
+    family: str = "sm80"
+
+    @property
+    def prefix(self) -> str:
+        fam = "" if self.family == "sm80" else f"{self.family}k_"
+        return f"jps_{self.kind}_{fam}{self.arch}_{self.dtype}_hd{self.head_dim}_{'cap' if self.softcap else 'nocap'}"
+
+    @property
+    def tuning(self):
+        return TUNING[self.family][self.head_dim]
+
+    @property
+    def tile(self):
+        """Forward: (block_m, block_n, threads | stages); backward: (dK/dV tile, dQ tile)."""
+        t = self.tuning
+        return t.fwd if self.kind == "fwd" else (t.dkdv, t.dq)
+
+    @property
+    def split(self) -> bool:
+        """Backward: True when the dK/dV kernel is exported as a dV pass (`_dv`) and a dK pass (`_dk`)."""
+        return self.kind == "bwd" and self.family == "sm80" and self.tuning.split_dkdv
+
+    @property
+    def kernels(self) -> tuple:
+        """The exported kernels, in launch order: the backward's `<prefix>_<kernel>`, the forward's `<prefix>`."""
+        if self.kind == "fwd":
+            return ("",)
+        return ("pre", "dv", "dk", "dq") if self.split else ("pre", "dkdv", "dq")
+
+    @property
+    def exports(self) -> tuple:
+        """Symbol prefixes of the exported objects (`<export>.o` + `<export>.h`)."""
+        return tuple(f"{self.prefix}_{k}" if k else self.prefix for k in self.kernels)
+
+    @property
+    def options(self) -> dict:
+        """Every compile-time choice of this variant's kernels: its kind's part of the tuning row, resolved for
+        its arch."""
+        fwd = self.kind == "fwd"
+        opts = {k: v for k, v in vars(self.tuning).items() if (k == "fwd" or k.startswith("fwd_")) == fwd}
+        if self.family == "sm80":
+            if fwd:
+                opts["fwd_stages"] = sm80_fwd_stages(self.arch, self.head_dim)
+            else:
+                opts["bwd_stages"] = SM80_BWD_STAGES
+        return opts
+
+    @property
+    def queue_all(self) -> int:
+        """Backward sm90: which kernels queue every layout (bit 0: dK/dV, bit 1: dQ); 0 otherwise."""
+        if self.kind != "bwd" or self.family != "sm90":
+            return 0
+        return int(self.tuning.dkdv_queue_dense) | 2 * int(self.tuning.dq_queue_dense)
+
+    def describe(self) -> str:
+        cap = "cap" if self.softcap else "nocap"
+        return f"{self.arch} {self.dtype} hd{self.head_dim} {cap} {self.kind} {self.family}"
+
+
+@dataclass(frozen=True)
+class ZeroRowsKernel:
+    """row_zeroing.ZeroUncoveredRows for one arch and 1 or 2 outputs; built where the sm90 family is (the only
+    kernels that write every row of their tiles, so the only ones that can go without an output memset)."""
+    arch: str
+    num_outputs: int
+    kind: str = "zero_rows"
+
+    @property
+    def prefix(self) -> str:
+        return f"jps_zero_rows{self.num_outputs}_{self.arch}"
+
+    @property
+    def exports(self) -> tuple:
+        return (self.prefix,)
+
+    @property
+    def options(self) -> dict:
+        return {}
+
+    def describe(self) -> str:
+        return f"{self.arch} zero rows x{self.num_outputs}"
+
+
+def family_builds(family: str, arch: str, head_dim: int) -> bool:
+    archs = FAMILY_ARCHS[family]
+    return (archs is None or arch in archs) and head_dim in TUNING[family]
+
+
+def matrix(archs=ARCHS, dtypes=DTYPES, head_dims=HEAD_DIMS, softcap=SOFTCAP, kinds=KINDS):
+    """Every variant of the build, in registry order: per kind, the sm80 family, then the sm90 family."""
+    return [Variant(kind, a, d, h, c, fam) for kind in kinds for fam in FAMILY_CODE for a in archs for d in dtypes
+            for h in head_dims if family_builds(fam, a, h) for c in softcap]
+
+
+def zero_rows_kernels(archs=ARCHS):
+    return [ZeroRowsKernel(a, n) for a in archs if a in FAMILY_ARCHS["sm90"] for n in (1, 2)]
