@@ -9,7 +9,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from .variants import SM80_BWD_STAGES, Variant, ZeroRowsKernel, sm80_fwd_stages
+from .variants import Variant, ZeroRowsKernel, sm80_fwd_stages
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def _compile_zero_rows(z: ZeroRowsKernel, out: str) -> dict:
     from cutlass.cute.runtime import make_fake_compact_tensor
     from cutlass.runtime import make_fake_stream
 
-    from ..row_zeroing import ZeroUncoveredRows
+    from ..common.row_zeroing import ZeroUncoveredRows
 
     def words():  # an output as Int32 [rows, 16-byte words, 4]
         return make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), 4), stride_order=(2, 1, 0),
@@ -140,7 +140,7 @@ def _compile_zero_rows(z: ZeroRowsKernel, out: str) -> dict:
 
 
 def _compile_fwd_sm80(v: Variant, out: str) -> dict:
-    from ..fwd_sm80 import FlashFwdSm80
+    from ..sm80.fwd import FlashFwdSm80
 
     bm, bn, nt = v.tuning.fwd
     kern = FlashFwdSm80(_dtype(v), v.head_dim, bm, bn, nt, v.softcap, stages=sm80_fwd_stages(v.arch, v.head_dim))
@@ -148,7 +148,7 @@ def _compile_fwd_sm80(v: Variant, out: str) -> dict:
 
 
 def _compile_fwd_sm90(v: Variant, out: str) -> dict:
-    from ..fwd_sm90 import FlashFwdSm90
+    from ..sm90.fwd import FlashFwdSm90
 
     t = v.tuning
     bm, bn, stages = t.fwd
@@ -184,7 +184,9 @@ def _compile_bwd(v: Variant, out: str) -> dict:
     from cutlass.cute.runtime import make_fake_compact_tensor
     from cutlass.runtime import make_fake_stream
 
-    from ..bwd_sm80 import BwdDKDV, BwdDQ, BwdPreprocess
+    from ..sm80.bwd_dkdv import BwdDKDV
+    from ..sm80.bwd_dq import BwdDQ
+    from ..sm80.bwd_preprocess import BwdPreprocess
 
     dt, H, sym = _dtype(v), v.head_dim, cute.sym_int
     t = v.tuning
@@ -205,7 +207,8 @@ def _compile_bwd(v: Variant, out: str) -> dict:
                        options=opts)
     _export(pre, out, p + "_pre")
     if v.family == "sm90":
-        from ..bwd_sm90 import BwdDKDVSm90, BwdDQSm90
+        from ..sm90.bwd_dkdv import BwdDKDVSm90
+        from ..sm90.bwd_dq import BwdDQSm90
 
         # The constructors take (dtype, head_dim, block_m, block_n, stages, softcap): the tile's third entry is
         # a stage count here.
@@ -214,11 +217,10 @@ def _compile_bwd(v: Variant, out: str) -> dict:
         dq_kernel = BwdDQSm90(dt, H, bm_q, bn_q, nt_q, v.softcap, pin_waits=t.bwd_pin_waits,
                               queue_dense=t.dq_queue_dense)
     else:
-        st_kv, st_q = SM80_BWD_STAGES
         # One kernel class; the split variants compile it twice with a compile-time output selector.
-        passes = {kind: BwdDKDV(dt, H, bm, bn, nt, v.softcap, stages=st_kv, outputs=kind)
+        passes = {kind: BwdDKDV(dt, H, bm, bn, nt, v.softcap, outputs=kind)
                   for kind in v.kernels if kind in ("dkdv", "dv", "dk")}
-        dq_kernel = BwdDQ(dt, H, bm_q, bn_q, nt_q, v.softcap, stages=st_q)
+        dq_kernel = BwdDQ(dt, H, bm_q, bn_q, nt_q, v.softcap)
     counter = (i1(),) if v.family == "sm90" else ()  # sm90: the tile counter, after seqused_k
     for kind, kern in passes.items():
         dkdv = cute.compile(kern, x3(), x3(), x3(), x3(), f2(), f2(), x3(), x3(), i1(), i1(), i1(), i1(), *counter,

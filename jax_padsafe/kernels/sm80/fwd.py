@@ -8,43 +8,23 @@ valid rows of every sequence.  Loads of rows past a valid length are replaced by
 memory, masking is done with selects, empty rows get O = 0 and lse = -inf.
 """
 
-import math
-import os
 from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from . import bounds, masking, softmax, tiles
+from ..common import bounds, masking, softmax, tiles
 
-LOG2_E = math.log2(math.e)
-
-
-# Shared memory per SM by build target (bytes usable by CTAs): sm_80 163 KB, sm_86/89/120 99 KB, sm_90/100 227 KB.
-_SMEM_PER_SM = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_120": 99 * 1024,
-                "sm_120a": 99 * 1024}
-
-
-def kv_stages(head_dim: int, block_m: int, block_n: int) -> int:
-    """K/V shared-memory stages: 2 (tile n-1 loads while tile n is computed) where two CTAs with Q plus
-    two K and two V tiles still fit one SM of the build target (CUTE_DSL_ARCH), else 1 (a second stage
-    that costs the second CTA per SM loses more latency hiding than it gains).  JPS_FWD_STAGES=1|2
-    overrides (build-time experiments)."""
-    env = os.environ.get("JPS_FWD_STAGES", "")
-    if env:
-        return int(env)
-    per_sm = _SMEM_PER_SM.get(os.environ.get("CUTE_DSL_ARCH", "sm_90a"), 227 * 1024)
-    two_stage_bytes = (block_m + 4 * block_n) * head_dim * 2 + 1024
-    return 2 if 2 * two_stage_bytes <= per_sm else 1
 
 
 class FlashFwdSm80:
+    """The forward kernel.  `stages`: K/V shared-memory stages, 1 or 2 (the build chooses per arch and head dim
+    from the shared memory per SM: two CTAs per SM with two stages where they fit, else one stage)."""
+
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool,
-                 stages: int = None):
+                 stages: int):
         assert head_dim % 32 == 0
-        if stages is None:
-            stages = kv_stages(head_dim, block_m, block_n)
         assert stages in (1, 2)
         self.stages = stages
         self.dtype = dtype

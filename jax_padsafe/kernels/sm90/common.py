@@ -23,7 +23,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from . import tiles
+from ..common import tiles
 
 
 def smem_layout(dtype, rows: int, head_dim: int, stages: int = 0, atom_cols: int = 0):

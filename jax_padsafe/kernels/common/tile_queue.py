@@ -16,7 +16,7 @@ published: a hole costs the consumers nothing, and no decoding (searches, length
 at a tile's start.  A number at or past the schedule's tile count means "no more tiles" and ends both loops.
 
 Every kernel that takes a queue claims tiles in the order its one-tile-per-CTA schedule launched them
-(`bounds.claimed_compact_tile`; the dQ kernel takes its heads in reverse), so the order of work changes but no
+(`tile_schedule.claimed_compact_tile`; the dQ kernel takes its heads in reverse), so the order of work changes but no
 result does: each output tile is still written by exactly one CTA, in the same way.
 """
 
@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
-from . import bounds
+from . import bounds, tile_schedule
 
 
 def create(barrier_ptr, slots: cute.Tensor, counter: cute.Tensor, num_consumer_threads: int):
@@ -69,16 +69,16 @@ def take(queue):
 def take_compact_tile(queue, per_head: cutlass.Int32, num_heads: cutlass.Int32, cu: cute.Tensor,
                       batch: cutlass.Int32, block: cutlass.Constexpr, last_first: cutlass.Constexpr):
     """Producer warp: `take` numbers until one names a compact tile inside its sequence's slot
-    (bounds.claimed_compact_tile), or the end (a number at or past per_head x num_heads); returns (number,
+    (tile_schedule.claimed_compact_tile), or the end (a number at or past per_head x num_heads); returns (number,
     head, sequence, tile).  The compact schedule's holes are skipped here, so the consumers never wait for one:
     each costs the producer, which runs ahead of them, one atomic add and one search."""
     total = per_head * num_heads
     lin = take(queue)
-    head, b, m = bounds.claimed_compact_tile(lin, per_head, num_heads, cu, batch, block, last_first)
+    head, b, m = tile_schedule.claimed_compact_tile(lin, per_head, num_heads, cu, batch, block, last_first)
     hole = (lin < total) & (m * block >= bounds.slot_length(cu, b))
     while hole:
         lin = take(queue)
-        head, b, m = bounds.claimed_compact_tile(lin, per_head, num_heads, cu, batch, block, last_first)
+        head, b, m = tile_schedule.claimed_compact_tile(lin, per_head, num_heads, cu, batch, block, last_first)
         hole = (lin < total) & (m * block >= bounds.slot_length(cu, b))
     return lin, head, b, m
 

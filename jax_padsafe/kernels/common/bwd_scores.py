@@ -1,0 +1,121 @@
+"""The backward's probability and score-gradient math, shared by the SM80-class and the Hopper kernels.
+
+* `load_row_stats`: per-query lse (in the exp2 domain) and Delta for this thread's fragment, loaded
+  only for valid rows; padded rows and rows with lse = -inf get the sentinel lse2 = +inf and Delta 0,
+  and are turned into P = 0 by a select (never exp(-inf - -inf)).
+* `probs_and_dscale`: recompute P from the score fragment and mask it with selects.
+* `dscores`: dS = P * (dP - Delta) [* (1 - tanh^2)], 0 by select wherever P = 0.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+
+LOG2_E = math.log2(math.e)
+
+
+@cute.jit
+def load_row_stats(
+    mLSE: cute.Tensor,
+    mDelta: cute.Tensor,
+    head: cutlass.Int32,
+    q_start: cutlass.Int32,
+    q_len: cutlass.Int32,
+    row0: cutlass.Int32,
+    coords: cute.Tensor,
+    lse2: cute.Tensor,
+    delta: cute.Tensor,
+    query_mode: cutlass.Constexpr,
+):
+    """lse2[x] = lse * log2(e) and delta[x] for the x-th query coordinate of this thread's fragment
+    (`coords` is the (rows, cols) coordinate view; `query_mode` 0: queries are rows, 1: columns).
+    Rows at or past q_len are never read: lse2 = +inf, delta = 0.  lse = -inf (no visible key):
+    lse2 = +inf, delta = 0."""
+    for x in cutlass.range_constexpr(cute.size(lse2)):
+        i = cutlass.Int32(0)
+        if cutlass.const_expr(query_mode == 0):
+            i = row0 + coords[x, 0][0]
+        else:
+            i = row0 + coords[0, x][1]
+        l2 = cutlass.Float32.inf
+        d = cutlass.Float32(0.0)
+        if i < q_len:
+            lv = mLSE[head, q_start + i]
+            if lv != -cutlass.Float32.inf:
+                l2 = lv * LOG2_E
+                d = mDelta[head, q_start + i]
+        lse2[x] = l2
+        delta[x] = d
+
+
+@cute.jit
+def probs_and_dscale(
+    s_mn: cute.Tensor,
+    t_mn: cute.Tensor,
+    c_mn: cute.Tensor,
+    lse2: cute.Tensor,
+    q0: cutlass.Int32,
+    k0: cutlass.Int32,
+    k_len: cutlass.Int32,
+    off: cutlass.Int32,
+    left: cutlass.Int32,
+    right: cutlass.Int32,
+    score_mul: cutlass.Float32,
+    cap_mul: cutlass.Float32,
+    need_mask: cutlass.Boolean,
+    query_mode: cutlass.Constexpr,
+    has_softcap: cutlass.Constexpr,
+):
+    """In place: raw scores q.k -> P = exp2(s2 - lse2) with s2 = q.k * scale * log2(e), or
+    tanh(q.k * scale / c) * c * log2(e) when soft-capped (then t_mn receives 1 - tanh^2, the softcap
+    derivative).  P = 0 by select for invisible pairs and for rows with the sentinel lse2 = +inf."""
+    nr = cute.size(s_mn, mode=[0])
+    nc = cute.size(s_mn, mode=[1])
+    for r in cutlass.range_constexpr(nr):
+        for c in cutlass.range_constexpr(nc):
+            x = r if cutlass.const_expr(query_mode == 0) else c
+            l2 = lse2[x]
+            s = s_mn[r, c]
+            s2 = s * score_mul
+            if cutlass.const_expr(has_softcap):
+                th = cute.math.tanh(s2, fastmath=False)
+                t_mn[r, c] = 1.0 - th * th
+                s2 = th * cap_mul
+            p = cute.math.exp2(s2 - l2, fastmath=True)
+            if l2 == cutlass.Float32.inf:
+                p = cutlass.Float32(0.0)
+            if need_mask:
+                i = q0 + c_mn[r, c][0]
+                j = k0 + c_mn[r, c][1]
+                if cutlass.const_expr(query_mode == 1):
+                    i = q0 + c_mn[r, c][1]
+                    j = k0 + c_mn[r, c][0]
+                lo = cutlass.max(i + off - left, 0)
+                hi = cutlass.min(i + off + right + 1, k_len)
+                if j < lo or j >= hi:
+                    p = cutlass.Float32(0.0)
+            s_mn[r, c] = p
+
+
+@cute.jit
+def dscores(
+    p_mn: cute.Tensor,
+    dp_mn: cute.Tensor,
+    t_mn: cute.Tensor,
+    delta: cute.Tensor,
+    query_mode: cutlass.Constexpr,
+    has_softcap: cutlass.Constexpr,
+):
+    """In place dp <- P * (dP - Delta) [* (1 - tanh^2)].  Where P = 0 (masked, padded, empty rows)
+    the result is a select to 0, so nothing from dP reaches it."""
+    for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
+            x = r if cutlass.const_expr(query_mode == 0) else c
+            p = p_mn[r, c]
+            ds = p * (dp_mn[r, c] - delta[x])
+            if cutlass.const_expr(has_softcap):
+                ds = ds * t_mn[r, c]
+            if p == cutlass.Float32(0.0):
+                ds = cutlass.Float32(0.0)
+            dp_mn[r, c] = ds

@@ -1,0 +1,412 @@
+"""Hopper backward, dK/dV kernel (`BwdDKDVSm90`); see bwd_base for the backward's structure."""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cuda.bindings.driver as cuda
+from cutlass.cute.nvgpu import cpasync
+
+from ..common import bounds, tile_queue, tile_schedule, tiles
+from . import common as sc
+from .bwd_base import Sm90BwdBase
+from .bwd_dkdv_steps import DKDVSteps
+
+
+class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
+    """dK, dV for one key tile (all query heads of its GQA group), in one of two warpgroup splits:
+
+    * block_n = 128 (head dims up to 128): each consumer warpgroup owns 64 keys: its own S^T / dP^T rows and
+      the dK / dV rows of those keys (2 x 64 x head_dim fp32 accumulators per warpgroup).
+    * block_n = 64 (`split_head_dim`, head dims 192 / 256): each warpgroup accumulates dK / dV of the 64 keys
+      for its half of the head dim.  At head dim 256 the key split would need 256 accumulator registers per
+      thread; this split keeps 128 (96 at head dim 192).  Warpgroup 0 computes S^T and P^T, warpgroup 1
+      dP^T and dS^T, and they swap them through shared memory (`exchange_step`), so each GEMM is computed once.
+    """
+
+    def __init__(self, dtype, head_dim: int, block_m: int = 64, block_n: int = 128, num_stages: int = 2,
+                 has_softcap: bool = False, pin_waits: bool = False, queue_dense: bool = False):
+        super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
+        assert block_n in (64, 128)
+        # Every layout takes the queued compact schedule, dense ones too (see the module docstring); the
+        # FFI handler then zeroes the counter on every call (the registry's `queue_all`).
+        self.queue_dense = queue_dense
+        # The queued kernel stages dK / dV through tiles of their own (64 KB at head dim 128), so a tile's K / V
+        # can be released, and the next tile's loaded, before its epilogue.  Not at head dims 192 / 256 (block_n
+        # 64): their shared memory is full, and they stage through sK / sV after the last step.
+        self.separate_out = block_n == 128
+        # The wait for dP^T pinned after P^T is converted to the input dtype (common.wgmma_wait_after):
+        # ptxas sinks those conversions below the wait, between the dV wgmmas that read them.
+        self.pin_waits = pin_waits
+        self.split_head_dim = block_n == 64
+        # Each warpgroup's half of the head dim is whole swizzle atoms (hd192: 32-column atoms, 3 per half).
+        assert not self.split_head_dim or (head_dim // 2) % 32 == 0
+
+    def _exchange_layouts(self):
+        """`split_head_dim`: the shared tiles of `exchange_step`, (keys, queries), swizzled: fp32 P^T (with softcap
+        P^T (1 - tanh^2)), and one in the input dtype for dS^T (with softcap first P^T, then dS^T)."""
+        return (sc.smem_layout(cutlass.Float32, self.block_n, self.block_m),
+                sc.smem_layout(self.dtype, self.block_n, self.block_m))
+
+    def _mma_s(self):
+        """S^T / dP^T (keys, queries), A = K / V (K-major), B = Q / dO (K-major): one warpgroup per 64 keys,
+        or (split_head_dim) one warpgroup tile of all 64 keys (warpgroup 0 computes S^T, warpgroup 1 dP^T)."""
+        if cutlass.const_expr(self.split_head_dim):
+            return sc.make_mma(self.dtype, 1, self.block_n, self.block_m, b_major_mn=False, a_from_regs=False)
+        return sc.make_mma(self.dtype, 2, self.block_n // 2, self.block_m, b_major_mn=False, a_from_regs=False)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        mTileCounter: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_k: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        dt = self.dtype
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        # split_head_dim: a warpgroup's half of the head dim is whole swizzle atoms of Q / dO (the dK / dV GEMMs'
+        # B operand) and of K / V (which stage the dK / dV epilogue).
+        half = HD // 2 if self.split_head_dim else 0
+        sQ_layout = sc.smem_layout(dt, BM, HD, self.num_stages, half)
+        sK_layout = sc.smem_layout(dt, BN, HD, 0, half)
+        q_box = cute.select(sQ_layout, mode=[0, 1])
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mQ), q_box, (BM, HD), 1)
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mdO), q_box, (BM, HD), 1)
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mK), sK_layout, (BN, HD))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mV), sK_layout, (BN, HD))
+        q_bytes = cute.size_in_bytes(dt, q_box)
+        k_bytes = cute.size_in_bytes(dt, sK_layout)
+        mma_s = self._mma_s()
+        # dV / dK: (keys, head_dim), A = P^T / dS^T from registers, B = dO^T / Q^T (MN-major); warpgroups
+        # stacked along the keys, or side by side along the head dim (split_head_dim).
+        if cutlass.const_expr(self.split_head_dim):
+            mma_kv = sc.make_mma_split_n(dt, BN, HD // 2, 2, a_major_mn=False, b_major_mn=True, a_from_regs=True)
+        else:
+            mma_kv = sc.make_mma(dt, 2, BN // 2, HD, b_major_mn=True, a_from_regs=True)
+        copy_out = tiles.gmem_tiled_copy(dt, HD, self.num_consumer_threads, async_copy=False)
+        stages = self.num_stages
+        # sdS / sdQ: the exchange tiles of the head-dim split.  Without the split they hold 8 and 4 unused
+        # elements, so that the fields after them keep their offsets (and the compiled kernels their code).
+        ds_elems = 8
+        dq_elems = 4
+        if cutlass.const_expr(self.split_head_dim):
+            # sdQ holds the fp32 tile, sdS the other; hd256: 192 KB + 16 KB + 8 KB (+ 2 KB of row statistics and
+            # 1 KB of barriers and padding: 227 KB is the limit).
+            sPx_layout, sdSx_layout = self._exchange_layouts()
+            ds_elems = cute.cosize(sdSx_layout)
+            dq_elems = cute.cosize(sPx_layout)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_res: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_str: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            # Per consumer warpgroup, double-buffered: lse2 and Delta of the step's block_m queries.
+            sStat: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BM * 2 * 2 * 2], 16]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, dq_elems], 1024]
+            # Unused (8 bytes that keep the offsets of the queue's barriers and slots).
+            sTile: cute.struct.MemRange[cutlass.Int32, 2]
+            # The compact kernel's tile queue (tile_queue): two slots of (tile number, sequence, key tile, kv
+            # head, k_start, k_len, k_slot, a run-time 0 for `epilogue_rows`), their barriers.
+            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            sSlots: cute.struct.MemRange[cutlass.Int32, 2 * 8]
+
+        group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
+        # Key tiles: dense (ceil(max_seqlen_k / BN) per sequence) or, where that launches at least twice as many
+        # CTAs, compact (tile_schedule.compact_tile), each its own kernel (see FlashFwdSm90.__call__).
+        batch, total_k, heads_kv = cute.size(mUsedK.shape[0]), cute.size(mK.shape[0]), cute.size(mK.shape[1])
+        grid = (cute.ceil_div(max_seqlen_k, BN), heads_kv, batch)
+        args = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+                mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, group,
+                score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
+                sQ_layout, sK_layout, mma_s, mma_kv, copy_out, q_bytes, k_bytes, SharedStorage)
+        # The dK / dV staging tiles (`kernel`) of the compact kernel.
+        compact = (args, max_seqlen_k, total_k, heads_kv, batch, BN, 2 * k_bytes, SharedStorage, stream)
+        if cutlass.const_expr(self.queue_dense):
+            self._launch_compact(*compact)
+        else:
+            if tile_schedule.use_compact_grid(max_seqlen_k, total_k, batch, BN) != 0:
+                self._launch_compact(*compact)
+            else:
+                self.kernel(*args, False).launch(
+                    grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
+                    stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        tma_Q: cute.Tensor,
+        tma_atom_dO: cute.CopyAtom,
+        tma_dO: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        tma_K: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        tma_V: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        mTileCounter: cute.Tensor,
+        group: cutlass.Int32,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        mma_s: cute.TiledMma,
+        mma_kv: cute.TiledMma,
+        copy_out: cute.TiledCopy,
+        q_bytes: cutlass.Constexpr,
+        k_bytes: cutlass.Constexpr,
+        SharedStorage: cutlass.Constexpr,
+        compact: cutlass.Constexpr,
+    ):
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_dO)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        # Compact: the producer warp finds each claimed tile's (sequence, key tile) and publishes it in the
+        # queue's slot, which the consumers hold (and read where they need it, `key_tile`) until the tile is done.
+        queue = None
+        slots = None
+        if cutlass.const_expr(compact):
+            slots = storage.sSlots.get_tensor(cute.make_layout((2, 8), stride=(8, 1)))
+            queue = tile_queue.create(storage.mbar_tile.data_ptr(), slots, mTileCounter, self.num_consumer_threads)
+        pipe_kv, pipe_q = self._pipes(storage, 2 * k_bytes, 2 * q_bytes)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sStat = storage.sStat.get_tensor(cute.make_layout((BM, 2, 2, 2)))  # (query, lse2|Delta, parity, wg)
+        sdS = None
+        sdQ = None
+        if cutlass.const_expr(self.split_head_dim):
+            sPx_layout, sdSx_layout = self._exchange_layouts()
+            sdS = storage.sdS.get_tensor(sdSx_layout.outer, swizzle=sdSx_layout.inner)
+            sdQ = storage.sdQ.get_tensor(sPx_layout.outer, swizzle=sPx_layout.inner)
+
+        tmas = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V)
+        seqs = (mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right)
+
+        if cutlass.const_expr(compact):
+            # Compact tiles per kv head (tile_schedule.compact_tiles_per_head) x kv heads, claimed in the one-tile
+            # CTAs' launch order.
+            batch_size = cute.size(mUsedK.shape[0])
+            per_head = cute.size(tma_K.shape[0]) // BN + batch_size
+            sched = (per_head, cute.size(tma_K.shape[2]), group, batch_size)
+            out_tiles = None
+            if cutlass.const_expr(self.separate_out):
+                out_tiles = tuple(smem.allocate_tensor(self.dtype, sK_layout.outer, 1024, sK_layout.inner)
+                                  for _ in range(2))
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.produce_claimed(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, seqs, queue, sched)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume_claimed(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s,
+                                     mma_kv, copy_out, score_mul, cap_mul, dscale, seqs, queue, slots, sched, out_tiles)
+        else:
+            n_block, head_kv, batch = cute.arch.block_idx()
+            k_start, k_len, k_slot, q_start, q_len, off, left, right, m_min, m_max = self.key_bounds(batch, n_block,
+                                                                                                      seqs)
+            n_m = m_max - m_min
+            total = group * n_m
+            n0 = n_block * BN
+            # A key tile past k_len, or one no valid query sees: dK = dV = 0; the CTA writes the zeros of its rows
+            # up to the slot end (the handler's memset may have done so already) and computes nothing.
+            if n0 < k_len and total > 0:
+                if warp_idx < 4:
+                    cute.arch.setmaxregister_decrease(self.producer_regs)
+                    if warp_idx == 0:
+                        self.produce_tile(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q,
+                                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
+                                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages),
+                                          n_block, head_kv, group, n_m, m_min, total, q_start, k_start, True)
+                else:
+                    cute.arch.setmaxregister_increase(self.consumer_regs)
+                    self.consume(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv,
+                                 copy_out, score_mul, cap_mul, dscale, n_block, None, head_kv, group, n_m, m_min, total,
+                                 q_start, q_len, k_start, k_len, k_slot, off, left, right,
+                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
+                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages), False)
+            else:
+                tidx, _, _ = cute.arch.thread_idx()
+                if tidx < self.num_consumer_threads:
+                    for out in (mdK, mdV):
+                        g = cute.local_tile(cute.domain_offset((k_start, 0), out[None, head_kv, None]), (BN, HD),
+                                            (n_block, 0))
+                        sc.zero_rows_global(self.dtype, BN, HD, copy_out, g, n0, k_slot, tidx)
+
+    @cute.jit
+    def key_bounds(self, batch, n_block, seqs):
+        """(k_start, k_len, k_slot, q_start, q_len, off, left, right, m_min, m_max) of key tile n_block of
+        sequence `batch`: the rows it covers and the query tiles that see it."""
+        mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right = seqs
+        k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
+        k_slot = bounds.slot_length(mCuK, batch)
+        q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
+        off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
+        m_min, m_max = bounds.m_block_range(n_block, self.block_m, self.block_n, q_len, k_len, off, left, right)
+        return k_start, k_len, k_slot, q_start, q_len, off, left, right, m_min, m_max
+
+    @cute.jit
+    def produce_tile(self, tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, state_kv, state, n_block, head_kv, group, n_m,
+                     m_min, total, q_start, k_start, kv_first: cutlass.Constexpr):
+        """Producer warp: the loads of one key tile: K / V (resident), then Q / dO of every step (query head of
+        the group, query tile).  Without `kv_first` (the queue) Q / dO of the first steps go first: K / V wait
+        for the previous tile's consumers to release sK / sV (after its last step with staging tiles, after its
+        epilogue at head dims 192 / 256), and these loads need not.  Returns the advanced pipeline states."""
+        BN, HD = self.block_n, self.head_dim
+        tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V = tmas
+        n_ahead = cutlass.Int32(0)
+        if cutlass.const_expr(not kv_first):
+            n_ahead = cutlass.min(total, self.num_stages)
+            for it in cutlass.range(n_ahead, unroll=1):
+                state = self.produce_step(tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start)
+        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_K[None, None, head_kv]), (BN, HD), (n_block, 0))
+        gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_V[None, None, head_kv]), (BN, HD), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        pipe_kv.producer_acquire(state_kv)
+        cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(state_kv))
+        cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(state_kv))
+        state_kv.advance()
+        if cutlass.const_expr(kv_first):
+            for it in cutlass.range(total, unroll=1):
+                state = self.produce_step(tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start)
+        else:
+            for it in cutlass.range(n_ahead, total, 1, unroll=1):
+                state = self.produce_step(tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start)
+        return state_kv, state
+
+    @cute.jit
+    def produce_step(self, tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start):
+        """Producer warp: Q / dO of step `it` (query head head_kv * group + it // n_m, query tile
+        m_min + it % n_m) into stage `state`; returns the advanced state."""
+        BM, HD = self.block_m, self.head_dim
+        tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, _, _, _, _ = tmas
+        head = head_kv * group + it // n_m
+        m_block = m_min + it % n_m
+        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD), (m_block, 0))
+        gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_dO[None, None, head]), (BM, HD), (m_block, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
+                                           cute.group_modes(gdO, 0, 2))
+        pipe_q.producer_acquire(state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ[None, state.index], tma_bar_ptr=pipe_q.producer_get_barrier(state))
+        cute.copy(tma_atom_dO, tOgO, tOsO[None, state.index], tma_bar_ptr=pipe_q.producer_get_barrier(state))
+        state.advance()
+        return state
+
+    @cute.jit
+    def claim_key_tile(self, queue, seqs, sched):
+        """Producer warp: the next claimed key tile inside its sequence's slot, or the end (holes skipped:
+        tile_queue.take_compact_tile); returns (number, sequence, key tile, kv head)."""
+        per_head, heads_kv, _, batch_size = sched
+        lin, head_kv, batch, n_block = tile_queue.take_compact_tile(queue, per_head, heads_kv, seqs[1], batch_size,
+                                                                    self.block_n, False)
+        return lin, batch, n_block, head_kv
+
+    @cute.jit
+    def produce_claimed(self, tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, seqs, queue, sched):
+        """The compact kernel's producer: claims a key tile, publishes its (number, sequence, key tile, kv
+        head) for the consumers, issues its loads, and claims the next one once they are issued (as the
+        forward's `produce_claimed`, which says why)."""
+        per_head, heads_kv, group, _ = sched
+        state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        state_tile = tile_queue.producer_state()
+        total_tiles = per_head * heads_kv
+        lin, batch, n_block, head_kv = self.claim_key_tile(queue, seqs, sched)
+        k_start, k_len, k_slot, q_start, _, _, _, _, m_min, m_max = self.key_bounds(batch, n_block, seqs)
+        state_tile = tile_queue.publish(queue, state_tile, (lin, batch, n_block, head_kv, k_start, k_len, k_slot,
+                                                                cutlass.Int32(0)))
+        while lin < total_tiles:
+            n_m = m_max - m_min
+            if n_block * self.block_n < k_len and n_m > 0:
+                state_kv, state = self.produce_tile(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, state_kv, state, n_block,
+                                                    head_kv, group, n_m, m_min, group * n_m, q_start, k_start, False)
+            lin, batch, n_block, head_kv = self.claim_key_tile(queue, seqs, sched)
+            k_start, k_len, k_slot, q_start, _, _, _, _, m_min, m_max = self.key_bounds(batch, n_block, seqs)
+            state_tile = tile_queue.publish(queue, state_tile, (lin, batch, n_block, head_kv, k_start, k_len, k_slot,
+                                                                cutlass.Int32(0)))
+
+    @cute.jit
+    def consume_claimed(self, sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s,
+                        mma_kv, copy_out, score_mul, cap_mul, dscale, seqs, queue, slots, sched, out_tiles):
+        """The compact kernel's consumers: the key tiles the producer claimed, in its order, until a claim past
+        the end.  The slot of the current tile stays held until its epilogue is done: `key_tile` reads the
+        key tile from it (a view of the slot's (sequence, key tile) stands in for the one-tile kernel's
+        sTile).  A tile with nothing to compute gets its zeros (rows up to the slot end)."""
+        BN, HD = self.block_n, self.head_dim
+        per_head, heads_kv, group, _ = sched
+        tidx_all, _, _ = cute.arch.thread_idx()
+        tidx = tidx_all - 128
+        state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        state_tile = tile_queue.consumer_state()
+        total_tiles = per_head * heads_kv
+        lin = tile_queue.peek(queue, state_tile)
+        while lin < total_tiles:
+            batch = tile_queue.field(queue, state_tile, 1)
+            n_block = tile_queue.field(queue, state_tile, 2)
+            head_kv = tile_queue.field(queue, state_tile, 3)
+            # (sequence, key tile, kv head, k_start, k_len, k_slot, 0) of the held slot (`key_tile`,
+            # `epilogue_rows`).
+            sTile = cute.make_tensor(slots.iterator + (state_tile.index * 8 + 1), cute.make_layout(7))
+            k_start, k_len, k_slot, q_start, q_len, off, left, right, m_min, m_max = self.key_bounds(batch, n_block,
+                                                                                                      seqs)
+            n_m = m_max - m_min
+            n0 = n_block * BN
+            if n0 < k_len and n_m > 0:
+                state_kv, state = self.consume(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK,
+                                               mdV, mma_s, mma_kv, copy_out, score_mul, cap_mul, dscale, n_block,
+                                               sTile, head_kv, group, n_m, m_min, group * n_m, q_start, q_len,
+                                               k_start, k_len, k_slot, off, left, right, state_kv, state, True,
+                                               out_tiles)
+            else:
+                for out in (mdK, mdV):
+                    g = cute.local_tile(cute.domain_offset((k_start, 0), out[None, head_kv, None]), (BN, HD),
+                                        (n_block, 0))
+                    sc.zero_rows_global(self.dtype, BN, HD, copy_out, g, n0, k_slot, tidx)
+            state_tile = tile_queue.release(queue, state_tile)
+            lin = tile_queue.peek(queue, state_tile)

@@ -1,0 +1,451 @@
+"""Hopper backward, dQ kernel (`BwdDQSm90`); see bwd_base for the backward's structure."""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cuda.bindings.driver as cuda
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ..common import bounds, bwd_scores, masking, tile_queue, tile_schedule, tiles
+from . import common as sc
+from .bwd_base import BAR_CONSUMERS, BAR_WG_BASE, Sm90BwdBase
+
+
+class BwdDQSm90(Sm90BwdBase):
+    """dQ for one query tile of block_m = 2 x 64 queries of one head."""
+
+    def __init__(self, dtype, head_dim: int, block_m: int = 128, block_n: int = 64, num_stages: int = 2,
+                 has_softcap: bool = False, pin_waits: bool = False, queue_dense: bool = False):
+        super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
+        assert block_m == 128
+        # The wait for dP pinned after P (common.wgmma_wait_after): ptxas issues it after ~9 of the 32
+        # exp2 otherwise, so most of P is computed after dP is complete instead of under it.
+        self.pin_waits = pin_waits
+        # Every layout takes the queued compact schedule, dense ones too (as BwdDKDVSm90.queue_dense).
+        self.queue_dense = queue_dense
+        # The queued kernel stages dQ through a tile of its own (32 KB at head dim 128), so a tile's Q / dO can
+        # be released, and the next tile's loaded, before its epilogue; not above head dim 128 (no room).
+        self.separate_out = head_dim <= 128
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQ: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        mTileCounter: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_q: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        dt = self.dtype
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        sQ_layout = sc.smem_layout(dt, BM, HD)
+        sK_layout = sc.smem_layout(dt, BN, HD, self.num_stages)
+        k_box = cute.select(sK_layout, mode=[0, 1])
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mQ), sQ_layout, (BM, HD))
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mdO), sQ_layout, (BM, HD))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mK), k_box, (BN, HD), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, sc.rows_dim_heads(mV), k_box, (BN, HD), 1)
+        q_bytes = cute.size_in_bytes(dt, sQ_layout)
+        k_bytes = cute.size_in_bytes(dt, k_box)
+        # S / dP: (queries, keys), A = Q / dO, B = K / V (shared memory, both K-major).
+        mma_s = sc.make_mma(dt, 2, BM // 2, BN, b_major_mn=False, a_from_regs=False)
+        # dQ: (queries, head_dim), A = dS from registers, B = K^T (MN-major).
+        mma_q = sc.make_mma(dt, 2, BM // 2, HD, b_major_mn=True, a_from_regs=True)
+        copy_out = tiles.gmem_tiled_copy(dt, HD, self.num_consumer_threads, async_copy=False)
+        stages = self.num_stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_res: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_str: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            # The compact kernel's tile queue (tile_queue): two slots of (tile number, sequence, query tile,
+            # head), their barriers.
+            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            sSlots: cute.struct.MemRange[cutlass.Int32, 2 * 4]
+
+        group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
+        # Query tiles: dense (ceil(max_seqlen_q / BM) per sequence) or, where that launches at least twice as
+        # many CTAs, compact (tile_schedule.compact_tile), each its own kernel (see FlashFwdSm90.__call__).
+        batch, total_q = cute.size(mUsedQ.shape[0]), cute.size(mQ.shape[0])
+        args = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+                mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, group,
+                score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
+                sQ_layout, sK_layout, mma_s, mma_q, copy_out, q_bytes, k_bytes, SharedStorage)
+        heads = cute.size(mQ.shape[1])
+        # The dQ staging tile (`kernel`) of the compact kernel.
+        compact = (args, max_seqlen_q, total_q, heads, batch, BM, q_bytes, SharedStorage, stream)
+        if cutlass.const_expr(self.queue_dense):
+            self._launch_compact(*compact)
+        else:
+            if tile_schedule.use_compact_grid(max_seqlen_q, total_q, batch, BM) != 0:
+                self._launch_compact(*compact)
+            else:
+                self.kernel(*args, False).launch(
+                    grid=tile_schedule.tile_grid(False, max_seqlen_q, total_q, heads, batch, BM),
+                    block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+                    min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        tma_Q: cute.Tensor,
+        tma_atom_dO: cute.CopyAtom,
+        tma_dO: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        tma_K: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        tma_V: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQ: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        mTileCounter: cute.Tensor,
+        group: cutlass.Int32,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        mma_s: cute.TiledMma,
+        mma_q: cute.TiledMma,
+        copy_out: cute.TiledCopy,
+        q_bytes: cutlass.Constexpr,
+        k_bytes: cutlass.Constexpr,
+        SharedStorage: cutlass.Constexpr,
+        compact: cutlass.Constexpr,
+    ):
+        BM, HD = self.block_m, self.head_dim
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_dO)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        queue = None
+        if cutlass.const_expr(compact):
+            # The producer warp claims query tiles and publishes them decoded.
+            queue = tile_queue.create(storage.mbar_tile.data_ptr(),
+                                      storage.sSlots.get_tensor(cute.make_layout((2, 4), stride=(4, 1))),
+                                      mTileCounter, self.num_consumer_threads)
+        pipe_q, pipe_kv = self._pipes(storage, 2 * q_bytes, 2 * k_bytes)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        tmas = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V)
+        seqs = (mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right)
+
+        if cutlass.const_expr(compact):
+            # Compact tiles per head (tile_schedule.compact_tiles_per_head) x heads, each head's highest tile first.
+            num_heads = cute.size(mLSE.shape[0])
+            per_head = cute.size(mLSE.shape[1]) // BM + cute.size(mUsedQ.shape[0])
+            sched = (per_head, num_heads, group, cute.size(mUsedQ.shape[0]))
+            sOut = None
+            if cutlass.const_expr(self.separate_out):
+                sOut = smem.allocate_tensor(self.dtype, sQ_layout.outer, 1024, sQ_layout.inner)
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.produce_claimed(tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, seqs, queue, sched)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume_claimed(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
+                                     score_mul, cap_mul, dscale, seqs, queue, sched, sOut)
+        else:
+            m_block_rev, head, batch = cute.arch.block_idx()
+            # Highest query tiles first: under causal masks they visit the most key tiles (the order of CTAs
+            # changes no bit of any result).
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
+            q_start, q_len, q_slot, k_start, k_len, off, left, right, n_min, n_max = self.tile_bounds(
+                batch, m_block, seqs)
+            head_kv = head // group
+            m0 = m_block * BM
+            # A query tile past q_len, or one whose queries see no key: dQ = 0, written for the tile's rows up
+            # to the slot end (the handler's memset may have done so already); nothing is computed.
+            if m0 < q_len and n_max > n_min:
+                if warp_idx < 4:
+                    cute.arch.setmaxregister_decrease(self.producer_regs)
+                    if warp_idx == 0:
+                        self.produce_tile(tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv,
+                                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
+                                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                                       self.num_stages),
+                                          m_block, head, head_kv, q_start, k_start, n_min, n_max)
+                else:
+                    cute.arch.setmaxregister_increase(self.consumer_regs)
+                    self.consume(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
+                                 score_mul, cap_mul, dscale, m_block, head, q_start, q_len, q_slot, k_len, off, left,
+                                 right, n_min, n_max,
+                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
+                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages),
+                                 False)
+            else:
+                tidx, _, _ = cute.arch.thread_idx()
+                if tidx < self.num_consumer_threads:
+                    gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD),
+                                          (m_block, 0))
+                    sc.zero_rows_global(self.dtype, BM, HD, copy_out, gdQ, m0, q_slot, tidx)
+
+    @cute.jit
+    def tile_bounds(self, batch, m_block, seqs):
+        """(q_start, q_len, q_slot, k_start, k_len, off, left, right, n_min, n_max) of query tile m_block of
+        sequence `batch`: the rows it covers and the key tiles it visits."""
+        mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right = seqs
+        q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
+        q_slot = bounds.slot_length(mCuQ, batch)
+        k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
+        off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
+        n_min, n_max = bounds.n_block_range(m_block, self.block_m, self.block_n, q_len, k_len, off, left, right)
+        return q_start, q_len, q_slot, k_start, k_len, off, left, right, n_min, n_max
+
+    @cute.jit
+    def produce_tile(self, tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, state_q, state, m_block, head, head_kv, q_start,
+                     k_start, n_min, n_max):
+        """Producer warp: the loads of one query tile (K / V of its first key tile, Q / dO, the other key
+        tiles in decreasing order).  Returns the advanced pipeline states."""
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V = tmas
+        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD), (m_block, 0))
+        gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_dO[None, None, head]), (BM, HD), (m_block, 0))
+        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_K[None, None, head_kv]), (BN, HD), (None, 0))
+        gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_V[None, None, head_kv]), (BN, HD), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
+                                           cute.group_modes(gdO, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        # K/V of the first (= last in key order) tile, then Q/dO.
+        pipe_kv.producer_acquire(state)
+        cute.copy(tma_atom_K, tKgK[None, n_max - 1], tKsK[None, state.index],
+                  tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+        cute.copy(tma_atom_V, tVgV[None, n_max - 1], tVsV[None, state.index],
+                  tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+        state.advance()
+        # (With the queue, this waits until the consumers have stored the previous tile's dQ through sQ.)
+        pipe_q.producer_acquire(state_q)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+        cute.copy(tma_atom_dO, tOgO, tOsO, tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+        state_q.advance()
+        for it in cutlass.range(n_max - n_min - 1, unroll=1):
+            n = n_max - 2 - it
+            pipe_kv.producer_acquire(state)
+            cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, state.index],
+                      tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+            cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state.index],
+                      tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+            state.advance()
+        return state_q, state
+
+    @cute.jit
+    def claim_query_tile(self, queue, seqs, sched):
+        """Producer warp: the next claimed query tile inside its sequence's slot, or the end (holes skipped:
+        tile_queue.take_compact_tile; each head's highest tile first); returns (number, sequence, query tile,
+        head)."""
+        per_head, num_heads, _, batch_size = sched
+        lin, head, batch, m_block = tile_queue.take_compact_tile(queue, per_head, num_heads, seqs[0], batch_size,
+                                                                 self.block_m, True)
+        return lin, batch, m_block, head
+
+    @cute.jit
+    def produce_claimed(self, tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, seqs, queue, sched):
+        """The compact kernel's producer: tiles in the order they are claimed (each head's highest query tile
+        first, as the one-tile CTAs were launched; the heads last first), each published as (number, sequence, query tile, head), the next
+        one claimed once the current one's loads are issued (as the forward's `produce_claimed`, which says
+        why)."""
+        per_head, num_heads, group, _ = sched
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        state_tile = tile_queue.producer_state()
+        total = per_head * num_heads
+        lin, batch, m_block, head = self.claim_query_tile(queue, seqs, sched)
+        state_tile = tile_queue.publish(queue, state_tile, (lin, batch, m_block, head))
+        while lin < total:
+            q_start, q_len, _, k_start, _, _, _, _, n_min, n_max = self.tile_bounds(batch, m_block, seqs)
+            if m_block * self.block_m < q_len and n_max > n_min:
+                state_q, state = self.produce_tile(tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, state_q, state, m_block,
+                                                   head, head // group, q_start, k_start, n_min, n_max)
+            lin, batch, m_block, head = self.claim_query_tile(queue, seqs, sched)
+            state_tile = tile_queue.publish(queue, state_tile, (lin, batch, m_block, head))
+
+    @cute.jit
+    def consume_claimed(self, sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
+                        score_mul, cap_mul, dscale, seqs, queue, sched, sOut):
+        """The compact kernel's consumers: the tiles the producer published, in its order, until the end; a
+        tile with nothing to compute gets its zeros (rows up to the slot end)."""
+        BM, HD = self.block_m, self.head_dim
+        per_head, num_heads, _, _ = sched
+        tidx_all, _, _ = cute.arch.thread_idx()
+        tidx = tidx_all - 128
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        state_tile = tile_queue.consumer_state()
+        total = per_head * num_heads
+        lin = tile_queue.peek(queue, state_tile)
+        while lin < total:
+            batch = tile_queue.field(queue, state_tile, 1)
+            m_block = tile_queue.field(queue, state_tile, 2)
+            head = tile_queue.field(queue, state_tile, 3)
+            state_tile = tile_queue.release(queue, state_tile)
+            q_start, q_len, q_slot, _, k_len, off, left, right, n_min, n_max = self.tile_bounds(batch, m_block, seqs)
+            m0 = m_block * BM
+            if m0 < q_len and n_max > n_min:
+                state_q, state = self.consume(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q,
+                                              copy_out, score_mul, cap_mul, dscale, m_block, head, q_start, q_len,
+                                              q_slot, k_len, off, left, right, n_min, n_max, state_q, state, True,
+                                              sOut)
+            else:
+                gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
+                sc.zero_rows_global(self.dtype, BM, HD, copy_out, gdQ, m0, q_slot, tidx)
+            lin = tile_queue.peek(queue, state_tile)
+
+    @cute.jit
+    def consume(self, sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out, score_mul,
+                cap_mul, dscale, m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max,
+                state_q, state, release_q: cutlass.Constexpr, sOut=None):
+        """The consumers' part of one query tile; returns the advanced pipeline states.  `release_q`: free the
+        Q / dO stage for the next tile: right after the last step's GEMMs where `sOut` (a staging tile of sQ's
+        layout) takes dQ, else once the epilogue, staged through sQ, has read it."""
+        BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        dt = self.dtype
+        tidx_all, _, _ = cute.arch.thread_idx()
+        tidx = tidx_all - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        m0 = m_block * BM
+
+        mma_s0 = sc.make_mma(dt, 2, BM // 2, BN, b_major_mn=False, a_from_regs=False)
+        mma_s0.set(warpgroup.Field.ACCUMULATE, False)
+        mma_s.set(warpgroup.Field.ACCUMULATE, True)
+        mma_q.set(warpgroup.Field.ACCUMULATE, True)
+        wg_s = mma_s.get_slice(wg * 128)
+        wg_q = mma_q.get_slice(wg * 128)
+        thr_s = mma_s.get_slice(tidx)
+        thr_q = mma_q.get_slice(tidx)
+        tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
+        tSrV = wg_s.make_fragment_B(wg_s.partition_B(sV))
+        tQrKt = wg_q.make_fragment_B(wg_q.partition_B(sc.transposed(sK)))
+        acc_dQ = thr_q.make_fragment_C(thr_q.partition_shape_C((BM, HD)))
+        acc_dQ.fill(0.0)
+        s_shape = thr_s.partition_shape_C((BM, BN))
+        cS_mn = masking.acc_mn_view_sm90(thr_s.partition_C(cute.make_identity_tensor((BM, BN))))
+        n_rows = cute.size(cS_mn, mode=[0])
+        lse2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        delta = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        bwd_scores.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 0)
+        rdS = cute.make_rmem_tensor(s_shape, dt)
+        tQrdS = cute.make_tensor(rdS.iterator, sc.c_to_a_layout(rdS.layout))
+
+        pipe_q.consumer_wait(state_q)
+        tSrQ = wg_s.make_fragment_A(wg_s.partition_A(sQ))
+        tSrdO = wg_s.make_fragment_A(wg_s.partition_A(sdO))
+        acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+        acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+        acc_T = None
+        if cutlass.const_expr(self.has_softcap):
+            acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+        n_steps = n_max - n_min
+        opaque_zero = cute.size(mLSE.shape[1]) >> 30  # total query rows < 2^30: a run-time 0 (wgmma_wait_after)
+        for it in cutlass.range(n_steps, unroll=1):
+            n_block = n_max - 1 - it
+            self.dq_scores_issue(pipe_kv, state, sK, mma_s0, mma_s, acc_S, acc_dP, tSrQ, tSrdO, tSrK, tSrV,
+                                 n_block, k_len, tidx, wg)
+            warpgroup.wait_group(1)
+            self.dq_probs(acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right,
+                          score_mul, cap_mul)
+            if cutlass.const_expr(self.pin_waits):
+                sc.wgmma_wait_after(acc_S, opaque_zero, 0)
+            warpgroup.wait_group(0)
+            self.dq_dscores(acc_S, acc_dP, acc_T, delta, rdS)
+            sc.gemm(mma_q, mma_q, acc_dQ, tQrdS, tQrKt[None, None, None, state.index], False)
+            warpgroup.wait_group(0)
+            pipe_kv.consumer_release(state)
+            state.advance()
+
+        # Epilogue: dQ (times the softmax scale) through sQ, or the staging tile (every consumer's GEMMs are
+        # complete after the barrier; with the staging tile it also orders this tile's writes after the
+        # previous tile's reads): valid query rows, then zeros up to the slot end.
+        sStage = sQ
+        if cutlass.const_expr(release_q and sOut is not None):
+            # This warp's GEMMs that read sQ / sdO are complete (the last step waited for them): the producer
+            # may load the next tile's Q / dO once every consumer warp has arrived, while this one stores.
+            pipe_q.consumer_release(state_q)
+            sStage = sOut
+        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
+        gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
+        sc.store_rows_via_smem(acc_dQ, dscale, dt, mma_q, copy_out, sStage, gdQ, BM, HD, m0, q_len, tidx,
+                               BAR_CONSUMERS, self.num_consumer_threads, q_slot)
+        if cutlass.const_expr(release_q and sOut is None):
+            # Every consumer has read sQ out: the producer may load the next tile's Q / dO.
+            cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
+            pipe_q.consumer_release(state_q)
+        state_q.advance()
+        return state_q, state
+
+    @cute.jit
+    def dq_scores_issue(self, pipe_kv, state, sK, mma_s0, mma_s, acc_S, acc_dP, tSrQ, tSrdO, tSrK, tSrV, n_block,
+                        k_len, tidx, wg):
+        """Wait for key tile n_block's stage, zero its key rows past k_len (they meet dS = 0 in dQ += dS K:
+        0 * NaN = NaN otherwise) and issue S = Q K^T and dP = dO V^T (two wgmma groups)."""
+        BN, HD = self.block_n, self.head_dim
+        pipe_kv.consumer_wait(state)
+        stage = state.index
+        n0 = n_block * BN
+        if n0 + BN > k_len:
+            sc.zero_rows_from(self.dtype, BN, HD, sK[None, None, stage], k_len - n0, tidx % 128, BAR_WG_BASE + wg)
+        sc.gemm(mma_s0, mma_s, acc_S, tSrQ, tSrK[None, None, None, stage], True)
+        sc.gemm(mma_s0, mma_s, acc_dP, tSrdO, tSrV[None, None, None, stage], True)
+
+    @cute.jit
+    def dq_probs(self, acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right, score_mul,
+                 cap_mul):
+        """S -> P in place (select: 0 where masked or the query is padded / empty); with softcap acc_T gets
+        1 - tanh^2 for dS."""
+        BM, BN = self.block_m, self.block_n
+        s_mn = masking.acc_mn_view_sm90(acc_S)
+        t_mn = s_mn
+        if cutlass.const_expr(self.has_softcap):
+            t_mn = masking.acc_mn_view_sm90(acc_T)
+        need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
+        bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
+                                    score_mul, cap_mul, need, 0, self.has_softcap)
+
+    @cute.jit
+    def dq_dscores(self, acc_S, acc_dP, acc_T, delta, rdS):
+        """dS = P (dP - Delta) [(1 - tanh^2)] by select (0 where P = 0), into rdS in the input dtype."""
+        s_mn = masking.acc_mn_view_sm90(acc_S)
+        t_mn = s_mn
+        if cutlass.const_expr(self.has_softcap):
+            t_mn = masking.acc_mn_view_sm90(acc_T)
+        bwd_scores.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 0, self.has_softcap)
+        rdS.store(acc_dP.load().to(self.dtype))
