@@ -18,7 +18,7 @@ def used_length(cu: cute.Tensor, used: cute.Tensor, b: cutlass.Int32):
 def slot_length(cu: cute.Tensor, b: cutlass.Int32):
     """Rows of the buffer that belong to sequence b, cu[b+1] - cu[b] (>= its valid length): a kernel that
     writes zeros to its tiles' rows in [valid length, slot length) leaves no row of a covered layout
-    unwritten (see `rows_covered` in ops.flash_forward)."""
+    unwritten (the cute backend's `rows_covered`)."""
     return cutlass.max(cu[b + 1] - cu[b], 0)
 
 

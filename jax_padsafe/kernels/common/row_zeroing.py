@@ -1,7 +1,7 @@
 """Zeroing of the output rows that no tile of the Hopper kernels writes, instead of a memset of the whole output.
 
-The sm90 kernels (fwd_sm90, bwd_sm90) write every row of their tiles up to the sequence's slot end, rows past the
-used length and tiles nothing sees as zeros.  Their grids (dense: ceil(max_seqlen / block) tiles per sequence;
+The sm90 kernels (sm90/fwd, bwd_dkdv, bwd_dq) write every row of their tiles up to the sequence's slot end, rows
+past the used length and tiles nothing sees as zeros.  Their grids (dense: ceil(max_seqlen / block) tiles per sequence;
 compact: every tile that starts inside a slot) therefore write every row r of sequence b with
 
     cu[b] <= r < cu[b + 1]  and  r - cu[b] < max_seqlen.
@@ -55,10 +55,9 @@ class ZeroUncoveredRows:
     A CTA owns 32 consecutive rows.  Every warp tests them, one row per lane, and so holds the same ballot of
     marked rows (the 8 searches share their loads through L1); then all 256 threads write each marked row
     together, one 16-byte store per thread per 4 KB of row.  A tail of padding rows is thereby spread over as
-    many CTAs as it has 32-row groups, each with a full CTA of stores in flight.  A first version gave each warp 32
-    rows of its own to write, so a 4096-row tail kept only 32 CTAs busy: on a 16k-token buffer a quarter empty
-    (H100, forward+backward, bench_varlen part_full) it saved 24-36 us of the ~66 us the memsets cost, this one
-    41-54 us."""
+    many CTAs as it has 32-row groups, each with a full CTA of stores in flight.  Giving each warp 32 rows of its
+    own to write instead keeps only 32 CTAs busy on a 4096-row tail: on a 16k-token buffer a quarter empty (H100,
+    forward+backward, bench_varlen part_full) that saves 24-36 us of the ~66 us the memsets cost, this 41-54 us."""
 
     num_threads = 256
     rows_per_cta = 32

@@ -1,6 +1,6 @@
 """A queue of tiles claimed from a global counter: the persistent CTAs of the Hopper kernels' compact schedules.
 
-Why: a compact schedule (bounds.compact_tile) of a packed batch of short documents has many tiles of a few
+Why: a compact schedule (tile_schedule.compact_tile) of a packed batch of short documents has many tiles of a few
 blocks each.  One CTA per tile exposes every tile's launch, pipeline fill and epilogue; a fixed share of
 tiles per CTA leaves a tail on skewed batches (one long document among short ones).  Persistent CTAs that
 claim one tile at a time balance like the hardware's dispatch of one-tile CTAs and overlap a tile's loads
@@ -15,9 +15,9 @@ tile.  Numbers that name no tile (the compact schedule's holes) are skipped by t
 published: a hole costs the consumers nothing, and no decoding (searches, length loads) delays the consumers
 at a tile's start.  A number at or past the schedule's tile count means "no more tiles" and ends both loops.
 
-Every kernel that takes a queue claims tiles in the order its one-tile-per-CTA schedule launched them
-(`tile_schedule.claimed_compact_tile`; the dQ kernel takes its heads in reverse), so the order of work changes but no
-result does: each output tile is still written by exactly one CTA, in the same way.
+Every kernel that takes a queue claims tiles in a fixed order (`tile_schedule.claimed_compact_tile`; the forward
+and dQ kernels last first): which CTA computes a tile depends on timing, but no result does: each output tile is
+written by exactly one CTA, in the same way.
 """
 
 import cutlass

@@ -1,8 +1,8 @@
 """Hopper (sm_90a) flash-attention backward: TMA + wgmma, warp-specialised, pad-safe, deterministic.
 
-Drop-in replacements for `bwd_sm80.BwdDKDV` / `bwd_sm80.BwdDQ` (same arguments, same exported ABI); the
-Delta preprocess stays `bwd_sm80.BwdPreprocess`.  Same two-kernel structure, no atomics: every output
-element is written by exactly one CTA after a fixed-order loop, so results are bitwise reproducible.
+Drop-in replacements for `sm80.bwd_dkdv.BwdDKDV` / `sm80.bwd_dq.BwdDQ` (same arguments plus a tile counter,
+same exported ABI otherwise); the Delta preprocess stays `sm80.bwd_preprocess.BwdPreprocess`.  Same two-kernel
+structure, no atomics: every output element is written by exactly one CTA after a fixed-order loop, so results are bitwise reproducible.
 
 Both kernels use 3 warpgroups: warpgroup 0 is the producer (one warp issues TMA into mbarrier-guarded
 shared-memory stages, PipelineTmaAsync; setmaxnreg down), warpgroups 1 and 2 consume (setmaxnreg up),
@@ -21,10 +21,10 @@ each owning 64 rows of the CTA's tile.
 * `BwdDQSm90`: one CTA per (query tile of block_m, head, sequence), or persistent CTAs that claim compact query
   tiles.  Q and dO resident, K and V streamed; S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K.
 
-With the queue (`dynamic_compact`), a CTA's producer warp claims the next tile once the current one's loads are
-issued, skips the compact schedule's holes itself, and loads the next tile's operands while the consumers finish
-the current one; up to head dim 128 the consumers stage their outputs through tiles of their own
-(`stage_out`), so the resident operands are released before the epilogue.  Which CTA computes a tile changes,
+With the queue, a CTA's producer warp claims the next tile once the current one's loads are issued, skips the
+compact schedule's holes itself, and loads the next tile's operands while the consumers finish the current one;
+up to head dim 128 the consumers stage their outputs through tiles of their own (`separate_out`), so the
+resident operands are released before the epilogue.  Which CTA computes a tile changes,
 how it is computed does not: the results are bitwise those of one CTA per tile.  Where measured faster
 (`queue_dense`), the dense layouts take the same queued schedule: a dense batch's compact tiles are its dense
 tiles plus one hole per sequence, so the persistent CTAs also overlap one key (query) tile's epilogue with the
@@ -62,7 +62,7 @@ BAR_DS_READY = 7
 
 class Sm90BwdBase:
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool):
-        assert head_dim % 32 == 0  # hd96: 32-column (64-byte) swizzle atoms, chosen by sm90_common.smem_layout
+        assert head_dim % 32 == 0  # hd96: 32-column (64-byte) swizzle atoms, chosen by common.smem_layout
         self.dtype = dtype
         self.head_dim = head_dim
         self.block_m = block_m

@@ -127,7 +127,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
             sdS: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, dq_elems], 1024]
             # Unused (8 bytes that keep the offsets of the queue's barriers and slots).
-            sTile: cute.struct.MemRange[cutlass.Int32, 2]
+            sPad: cute.struct.MemRange[cutlass.Int32, 2]
             # The compact kernel's tile queue (tile_queue): two slots of (tile number, sequence, key tile, kv
             # head, k_start, k_len, k_slot, a run-time 0 for `epilogue_rows`), their barriers.
             mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
@@ -224,8 +224,8 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         seqs = (mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right)
 
         if cutlass.const_expr(compact):
-            # Compact tiles per kv head (tile_schedule.compact_tiles_per_head) x kv heads, claimed in the one-tile
-            # CTAs' launch order.
+            # Compact tiles per kv head (tile_schedule.compact_tiles_per_head) x kv heads, claimed head by head, each
+            # head's tiles in increasing order (tile_schedule.claimed_compact_tile).
             batch_size = cute.size(mUsedK.shape[0])
             per_head = cute.size(tma_K.shape[0]) // BN + batch_size
             sched = (per_head, cute.size(tma_K.shape[2]), group, batch_size)
@@ -374,9 +374,9 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
     def consume_claimed(self, sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s,
                         mma_kv, copy_out, score_mul, cap_mul, dscale, seqs, queue, slots, sched, out_tiles):
         """The compact kernel's consumers: the key tiles the producer claimed, in its order, until a claim past
-        the end.  The slot of the current tile stays held until its epilogue is done: `key_tile` reads the
-        key tile from it (a view of the slot's (sequence, key tile) stands in for the one-tile kernel's
-        sTile).  A tile with nothing to compute gets its zeros (rows up to the slot end)."""
+        the end.  The slot of the current tile stays held until its epilogue is done: `key_tile` and
+        `epilogue_rows` read the tile's values from it (`slot`, a view of the slot's values after the tile
+        number).  A tile with nothing to compute gets its zeros (rows up to the slot end)."""
         BN, HD = self.block_n, self.head_dim
         per_head, heads_kv, group, _ = sched
         tidx_all, _, _ = cute.arch.thread_idx()
@@ -392,7 +392,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
             head_kv = tile_queue.field(queue, state_tile, 3)
             # (sequence, key tile, kv head, k_start, k_len, k_slot, 0) of the held slot (`key_tile`,
             # `epilogue_rows`).
-            sTile = cute.make_tensor(slots.iterator + (state_tile.index * 8 + 1), cute.make_layout(7))
+            slot = cute.make_tensor(slots.iterator + (state_tile.index * 8 + 1), cute.make_layout(7))
             k_start, k_len, k_slot, q_start, q_len, off, left, right, m_min, m_max = self.key_bounds(batch, n_block,
                                                                                                       seqs)
             n_m = m_max - m_min
@@ -400,7 +400,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
             if n0 < k_len and n_m > 0:
                 state_kv, state = self.consume(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK,
                                                mdV, mma_s, mma_kv, copy_out, score_mul, cap_mul, dscale, n_block,
-                                               sTile, head_kv, group, n_m, m_min, group * n_m, q_start, q_len,
+                                               slot, head_kv, group, n_m, m_min, group * n_m, q_start, q_len,
                                                k_start, k_len, k_slot, off, left, right, state_kv, state, True,
                                                out_tiles)
             else:

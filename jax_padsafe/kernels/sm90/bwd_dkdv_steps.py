@@ -15,7 +15,7 @@ class DKDVSteps:
 
     @cute.jit
     def consume(self, sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv,
-                copy_out, score_mul, cap_mul, dscale, n_block, sTile, head_kv, group, n_m, m_min, total, q_start,
+                copy_out, score_mul, cap_mul, dscale, n_block, slot, head_kv, group, n_m, m_min, total, q_start,
                 q_len, k_start, k_len, k_slot, off, left, right, state_kv, state,
                 release_kv: cutlass.Constexpr, out_tiles=None):
         """The consumers' part of one key tile; returns the advanced pipeline states.  `release_kv`: free the
@@ -110,7 +110,7 @@ class DKDVSteps:
             if cutlass.const_expr(self.split_head_dim):
                 self.exchange_step(wg, tidx % 128, stage, par, sStat, sdQ, sdS, copy_px, copy_dsx, mma_s0, mma_s,
                                    mma_kv, tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, acc_dK, acc_dV, rP, rdS, tPrP,
-                                   tPrdS, cS_mn, lse2, delta, s_shape, self.key_tile(n_block, sTile), m_block,
+                                   tPrdS, cS_mn, lse2, delta, s_shape, self.key_tile(n_block, slot), m_block,
                                    q_len, k_len, off, left, right, score_mul, cap_mul)
             else:
                 acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
@@ -118,15 +118,14 @@ class DKDVSteps:
                 acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                 sc.gemm(mma_s0, mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True)
                 # Shared-memory reads of the row statistics before the waits, so their latency hides under the
-                # GEMMs (Nsight Compute, session 8: read after the wait, the exp2's FFMA stalled on them).  With
-                # softcap they stay after the waits, where the GPU-checked softcap kernels have them: that
-                # kernel spills either way (ptxas 152 B of stack, early or late), and early reads were not
-                # timed there.
+                # GEMMs (Nsight Compute on an H100: read after the wait, the exp2's FFMA stalled on them).  With
+                # softcap they stay after the waits: that kernel spills either way (ptxas 152 B of stack, early
+                # or late), and early reads were not timed there.
                 early_stats = not self.has_softcap
                 if cutlass.const_expr(early_stats):
                     for x in cutlass.range_constexpr(n_cols):
                         lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
-                n_step = self.key_tile(n_block, sTile)
+                n_step = self.key_tile(n_block, slot)
                 need = bounds.tile_needs_mask(n_step, m_block, BM, BN, q_len, k_len, off, left, right)
                 warpgroup.wait_group(1)
                 if cutlass.const_expr(not early_stats):
@@ -137,7 +136,7 @@ class DKDVSteps:
                 if cutlass.const_expr(self.has_softcap):
                     acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                     t_mn = masking.acc_mn_view_sm90(acc_T)
-                n0_step = self.key_tile(n_block, sTile) * BN
+                n0_step = self.key_tile(n_block, slot) * BN
                 bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right, score_mul, cap_mul,
                                     need, 1, self.has_softcap)
                 rP.store(acc_S.load().to(dt))
@@ -171,9 +170,9 @@ class DKDVSteps:
             pipe_kv.consumer_release(state_kv)
             sOutK, sOutV = out_tiles
         cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
-        n_block = self.key_tile(n_block, sTile)
+        n_block = self.key_tile(n_block, slot)
         n0 = n_block * BN
-        head_kv, k_start, k_len, k_slot, tidx_e = self.epilogue_rows(sTile, head_kv, k_start, k_len, k_slot, tidx)
+        head_kv, k_start, k_len, k_slot, tidx_e = self.epilogue_rows(slot, head_kv, k_start, k_len, k_slot, tidx)
         gdK = cute.local_tile(cute.domain_offset((k_start, 0), mdK[None, head_kv, None]), (BN, HD), (n_block, 0))
         gdV = cute.local_tile(cute.domain_offset((k_start, 0), mdV[None, head_kv, None]), (BN, HD), (n_block, 0))
         sc.store_rows_via_smem(acc_dK, dscale, dt, mma_kv, copy_out, sOutK, gdK, BN, HD, n0, k_len, tidx_e,
@@ -188,27 +187,27 @@ class DKDVSteps:
         return state_kv, state
 
     @cute.jit
-    def key_tile(self, n_block, sTile):
+    def key_tile(self, n_block, slot):
         """The consumers' key tile, where a step or the epilogue needs it.  The dense kernel's is blockIdx.x,
-        which ptxas re-reads from SR_CTAID at each use; the compact kernel's comes from the search (`body`), and
+        which ptxas re-reads from SR_CTAID at each use; the compact kernel's comes from the producer's search, and
         a register holding it through the loop would compete with the dK / dV accumulators.  So the compact
-        kernel loads it from shared memory (`sTile`, written before the pipelines' barrier) at each use; the
-        loop's barriers keep those loads inside the loop.  (Session 16's compact kernel, in which every warp
-        searched and kept the result, spilled 19 values in the loop; this one spills 3 at hd128.)"""
-        if cutlass.const_expr(sTile is None):
+        kernel loads it from the tile's queue slot in shared memory (`slot`) at each use; the loop's barriers
+        keep those loads inside the loop.  (A compact kernel in which every warp searched and kept the result
+        spilled 19 values in the loop; this one spills 3 at hd128.)"""
+        if cutlass.const_expr(slot is None):
             return n_block
-        return sTile[1]
+        return slot[1]
 
     @cute.jit
-    def epilogue_rows(self, sTile, head_kv, k_start, k_len, k_slot, tidx):
+    def epilogue_rows(self, slot, head_kv, k_start, k_len, k_slot, tidx):
         """(kv head, k_start, k_len, k_slot, thread index) where the epilogue needs them.  The queued kernel
         re-reads them from its tile's slot, after the epilogue's barrier, and adds the slot's run-time 0 to the
         thread index, so that ptxas computes the epilogue's addresses in the epilogue: it hoisted them out of
         the tile loop otherwise, and at head dim 128, with no register to spare across the step loop, kept 35 of
         them per thread in local memory, reloaded by every tile's epilogue."""
-        if cutlass.const_expr(sTile is None or cute.size(sTile) == 2):
+        if cutlass.const_expr(slot is None):
             return head_kv, k_start, k_len, k_slot, tidx
-        return sTile[2], sTile[3], sTile[4], sTile[5], tidx + sTile[6]
+        return slot[2], slot[3], slot[4], slot[5], tidx + slot[6]
 
     @cute.jit
     def exchange_step(self, wg, tidx_wg, stage, par, sStat, sPx, sdSx, copy_px, copy_dsx, mma_s0, mma_s, mma_kv, tSrK,
@@ -295,8 +294,8 @@ class DKDVSteps:
     def stat_load(self, mLSE: cute.Tensor, mDelta: cute.Tensor, head: cutlass.Int32, q_start: cutlass.Int32,
                   q_len: cutlass.Int32, i: cutlass.Int32, kind: cutlass.Int32):
         """The raw value for `stat_finish`: kind 0 the lse of query i, kind 1 its Delta.  No branch depends on
-        the loaded value, so the load stays in flight until the next step stores it (Nsight Compute, session
-        8: testing lse right after the load exposed the global-memory latency every step).  Padded queries
+        the loaded value, so the load stays in flight until the next step stores it (Nsight Compute on an
+        H100: testing lse right after the load exposed the global-memory latency every step).  Padded queries
         (i >= q_len) load nothing and get lse = -inf, Delta = 0."""
         v = cutlass.Float32(0.0)
         if kind == 0:

@@ -281,9 +281,8 @@ class BwdDQSm90(Sm90BwdBase):
     @cute.jit
     def produce_claimed(self, tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, seqs, queue, sched):
         """The compact kernel's producer: tiles in the order they are claimed (each head's highest query tile
-        first, as the one-tile CTAs were launched; the heads last first), each published as (number, sequence, query tile, head), the next
-        one claimed once the current one's loads are issued (as the forward's `produce_claimed`, which says
-        why)."""
+        first; the heads last first), each published as (number, sequence, query tile, head), the next one
+        claimed once the current one's loads are issued (as the forward's `produce_claimed`, which says why)."""
         per_head, num_heads, group, _ = sched
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)

@@ -28,7 +28,7 @@ from ..common import tiles
 
 def smem_layout(dtype, rows: int, head_dim: int, stages: int = 0, atom_cols: int = 0):
     """Row-major (head_dim contiguous) swizzled layout of (rows, head_dim) or (rows, head_dim, stages); any
-    element type (fp32: the fused dQ partial tile that a TMA reduce-add reads).  The swizzle atom is the
+    element type (fp32: the head-dim split's P^T exchange tile).  The swizzle atom is the
     widest (up to 128 B) that divides `atom_cols` (default head_dim): a GEMM operand that starts at column
     c of the tile needs c to be a multiple of the atom's width."""
     atom = warpgroup.make_smem_layout_atom(
@@ -63,9 +63,8 @@ def make_mma(dtype, num_wg: int, tile_m_per_wg: int, tile_n: int, b_major_mn: bo
 def make_mma_split_n(dtype, tile_m: int, tile_n_per_wg: int, num_wg: int, a_major_mn: bool, b_major_mn: bool,
                      a_from_regs: bool = False):
     """wgmma TiledMma with `num_wg` warpgroups side by side along N (each tile_m x tile_n_per_wg), for a GEMM
-    whose M is one warpgroup's 64 rows: the fused dQ = dS K of the dK/dV kernel (both operands in shared
-    memory) and the head-dim-split dK / dV GEMMs (A = P^T / dS^T from registers, `a_from_regs`; every
-    warpgroup holds the whole A), where each consumer warpgroup takes half of the head dim."""
+    whose M is one warpgroup's 64 rows: the head-dim-split dK / dV GEMMs (A = P^T / dS^T from registers,
+    `a_from_regs`; every warpgroup holds the whole A), where each consumer warpgroup takes half of the head dim."""
     a_mode = warpgroup.OperandMajorMode.MN if a_major_mn else warpgroup.OperandMajorMode.K
     b_mode = warpgroup.OperandMajorMode.MN if b_major_mn else warpgroup.OperandMajorMode.K
     args = [dtype, dtype, a_mode, b_mode, cutlass.Float32, (1, num_wg, 1), (tile_m, tile_n_per_wg)]

@@ -86,7 +86,7 @@ class FwdTileSchedule:
         # all sequences (in sequence order, m-block fastest).
         if cutlass.const_expr(compact):
             per_head = n_mb  # the compact kernel's argument in that place
-            # Last tiles first (one tile per CTA): the last m-blocks of a causal sequence are its heaviest.
+            # Last tiles first: the last m-blocks of a causal sequence are its heaviest.
             lin = per_head * num_heads - 1 - lin
             head = cutlass.min(lin // per_head, num_heads - 1)
             batch, m_block = tile_schedule.compact_tile(lin - head * per_head, mCuQ, batch_size, BM)
