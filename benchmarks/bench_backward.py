@@ -22,7 +22,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jax_padsafe._cute import bwd_ops, ops
+from jax_padsafe._backends.cute import backward as bwd_ops
+from jax_padsafe._backends.cute import forward as ops
 from bench_forward import bench  # the benchmarks' one timing rule
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_padsafe
-from jax_padsafe import _split_kv
+from jax_padsafe._backends.cute import split_kv as _split_kv
 from bench_forward import bench  # the benchmarks' one timing rule
 
 N, H = 32, 128  # query heads, head dim
@@ -121,7 +121,7 @@ def main():
         print(f"{r['batch']:>3} {r['q_rows']:>3} {r['cache']:>7} {r['kv_heads']:>3} {r['mask'] or '-':>10} | "
               + " | ".join(cells))
     with open(a.out, "w") as f:
-        json.dump(dict(device=dev, jax=jax.__version__, split_kv=_split_kv.enabled(),
+        json.dump(dict(device=dev, jax=jax.__version__,
                        split_tiles=[_split_kv._ONE_WAVE, _split_kv._TARGET_TILES], rows=rows), f, indent=1)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jax_padsafe._cute import ops
+from jax_padsafe._backends.cute import forward as ops
 
 
 def bench(fn, *args, iters=10):

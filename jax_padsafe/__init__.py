@@ -14,7 +14,7 @@ what padded memory holds, padded rows come out as exact zeros, and no NaN/Inf is
 (except ``lse = -inf`` for valid query rows that see no key).
 """
 
-from jax_padsafe._api import dot_product_attention, varlen_attention
+from jax_padsafe.attention import dot_product_attention, varlen_attention
 
 __version__ = "0.1.0"
 
@@ -25,11 +25,8 @@ def kernels_available() -> dict:
   True means the CuTe DSL kernel library was built into this install and loads; the kernels then
   run for supported calls on CUDA devices (sm_80 class and sm_90). It never raises.
   """
-  try:
-    from jax_padsafe._cute import bwd_ops, ops  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return {"forward": False, "backward": False}
-  return {"forward": ops.library_available(), "backward": bwd_ops.backward_available()}
+  from jax_padsafe._backends.cute import library  # pylint: disable=g-import-not-at-top
+  return {"forward": library.library_available(), "backward": library.backward_available()}
 
 
 __all__ = ["dot_product_attention", "varlen_attention", "kernels_available", "__version__"]

@@ -29,7 +29,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without equinox
   raise ImportError("jax_padsafe.equinox needs Equinox: pip install 'jax_padsafe[equinox]'") from e
 
-from jax_padsafe import _layers
+from jax_padsafe._core import layers as _layers
 
 __all__ = ["MultiheadAttention"]
 

@@ -30,7 +30,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without flax
   raise ImportError("jax_padsafe.flax_linen needs Flax: pip install 'jax_padsafe[flax]'") from e
 
-from jax_padsafe import _layers
+from jax_padsafe._core import layers as _layers
 
 __all__ = ["attention_fn", "make_attention_fn", "MultiHeadAttention"]
 

@@ -35,9 +35,9 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without flax
   raise ImportError("jax_padsafe.flax_nnx needs Flax: pip install 'jax_padsafe[flax]'") from e
 
-from jax_padsafe import _layers
-from jax_padsafe import _validation as V
-from jax_padsafe._layers import apply_rope, positions_from_segments
+from jax_padsafe._core import checks
+from jax_padsafe._core import layers as _layers
+from jax_padsafe._core.layers import apply_rope, positions_from_segments
 
 __all__ = ["MultiHeadAttention", "apply_rope", "positions_from_segments"]
 
@@ -224,7 +224,7 @@ class MultiHeadAttention(nnx.Module):
       new_lengths = jnp.full((b,), t_new, jnp.int32)
     new_lengths = jnp.clip(jnp.broadcast_to(jnp.asarray(new_lengths, jnp.int32), (b,)), 0, t_new)
     total = cache_len + new_lengths
-    if V.is_concrete(total) and int(np.max(np.asarray(total), initial=0)) > max_length:
+    if checks.is_concrete(total) and int(np.max(np.asarray(total), initial=0)) > max_length:
       raise ValueError(f"KV cache overflow: cache lengths + new tokens = {np.asarray(total)} > "
                        f"max_length {max_length}")
     total = jnp.minimum(total, max_length)

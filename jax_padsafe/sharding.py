@@ -27,15 +27,17 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec
 
 from jax_padsafe import _backends
-from jax_padsafe import _masking
-from jax_padsafe import _packing
-from jax_padsafe import _partitioning
-from jax_padsafe import _validation as V
-from jax_padsafe import _xla
-from jax_padsafe import _api
+from jax_padsafe._backends import partitioning
+from jax_padsafe._backends import xla
+from jax_padsafe._backends.cute import backend as cute
+from jax_padsafe._backends.cute import backward as cute_backward
+from jax_padsafe._backends.cute import forward as cute_forward
+from jax_padsafe._core import checks
+from jax_padsafe._core import problem as P
+from jax_padsafe._core import visibility
 
 __all__ = ["ring_attention", "zigzag_permute", "zigzag_unpermute", "zigzag_indices"]
 
@@ -194,11 +196,11 @@ def ring_attention(
     ``out [B, T, N, H]`` (and ``lse [B, N, T]`` float32 with ``return_lse=True``) in the layout's
     order, sharded like the inputs.
   """
-  V.check_alignment(causal_alignment)
+  checks.check_alignment(causal_alignment)
   if layout not in _LAYOUTS:
     raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
-  V.check_float_inputs(query, key, value, rank=4, layout="[B, T, N, H]")
+  checks.check_float_inputs(query, key, value, rank=4, layout="[B, T, N, H]")
   b, t, n, h = query.shape
   s, nk = key.shape[1], key.shape[2]
   if key.shape[0] != b:
@@ -223,42 +225,33 @@ def ring_attention(
           f"{hs}. Shard fewer ways over heads, or replicate heads (head_axis=None).")
   _check_distinct(axis_name, batch_axis, head_axis)
 
-  q_len = _api._lengths("query_seq_lengths", query_seq_lengths, b, t)  # pylint: disable=protected-access
-  kv_len = _api._lengths("key_value_seq_lengths", key_value_seq_lengths, b, s)  # pylint: disable=protected-access
-  if (query_segment_ids is None) != (key_value_segment_ids is None):
-    raise ValueError("query_segment_ids and key_value_segment_ids must be given together")
-  q_ids = _api._segment_ids("query_segment_ids", query_segment_ids, (b, t))  # pylint: disable=protected-access
-  kv_ids = _api._segment_ids("key_value_segment_ids", key_value_segment_ids, (b, s))  # pylint: disable=protected-access
-
+  checks.check_segment_pair(query_segment_ids, key_value_segment_ids)
+  spec = checks.make_spec(h, scale, is_causal, local_window_size, softcap, block_k)
   # Natural position held by every layout slot; segments and positions follow the layout.
+  rows_q = rows_k = None
   if layout == "zigzag":
     rows_q = jnp.asarray(zigzag_indices(t, num))[None, :]
     rows_k = jnp.asarray(zigzag_indices(s, num))[None, :]
-  else:
-    rows_q = jnp.arange(t, dtype=jnp.int32)[None, :]
-    rows_k = jnp.arange(s, dtype=jnp.int32)[None, :]
-  q_seg = _api._segments_from_lengths(rows_q, q_len, q_ids)  # pylint: disable=protected-access
-  k_seg = _api._segments_from_lengths(rows_k, kv_len, kv_ids)  # pylint: disable=protected-access
-  offset = (kv_len - q_len) if causal_alignment == "bottom_right" else jnp.zeros_like(q_len)
-  q_pos = jnp.broadcast_to(rows_q + offset[:, None], (b, t)).astype(jnp.int32)
-  k_pos = jnp.broadcast_to(rows_k, (b, s)).astype(jnp.int32)
-
-  spec = _api._make_spec(h, scale, is_causal, local_window_size, softcap, block_k)  # pylint: disable=protected-access
-  V.check_implementation(implementation)
+  # The chunk pairs get their kernel view (runs) on each device, so none is built here.
+  problem = P.from_padded(spec, b, t, s, causal_alignment, query_seq_lengths,
+                          key_value_seq_lengths, query_segment_ids, key_value_segment_ids,
+                          kernel_view=False, positions=(rows_q, rows_k))
+  checks.check_implementation(implementation)
   kernel_fwd, kernel_bwd = _ring_kernels(implementation, spec, query, key)
   max_runs = 1
-  if q_ids is not None:
+  if query_segment_ids is not None:
     if max_segments is not None:
       max_runs = int(max_segments)
-    elif V.is_concrete(query_segment_ids):
+    elif checks.is_concrete(query_segment_ids):
       ids = np.asarray(query_segment_ids)
       ids = np.where(ids >= 0, ids, -1)
       prev = np.concatenate([np.full(ids.shape[:1] + (1,), -1), ids[:, :-1]], axis=1)
       max_runs = int(np.max(((ids >= 0) & (ids != prev)).sum(axis=1), initial=1))
     else:
-      max_runs = _packing.DEFAULT_TRACED_MAX_RUNS
+      max_runs = P.DEFAULT_TRACED_MAX_RUNS
     max_runs = max(1, min(max_runs, t // (num * nsub)))
-  grouped = _grouped_eligible(spec, t, s, q_ids is not None, causal_alignment == "bottom_right")
+  grouped = _grouped_eligible(spec, t, s, query_segment_ids is not None,
+                              causal_alignment == "bottom_right")
   cfg = _RingConfig(spec=spec, mesh=mesh, axis_name=axis_name, batch_axis=batch_axis,
                     head_axis=head_axis, nsub=nsub, skip=bool(skip_masked_blocks),
                     kernel_fwd=kernel_fwd, kernel_bwd=kernel_bwd, max_runs=max_runs,
@@ -266,12 +259,10 @@ def ring_attention(
 
   # Sanitise before any arithmetic (selects): padded rows become exact zeros, and the gradient of
   # the select routes exact zeros to them.
-  q = _masking.zero_invalid_rows(query, q_seg)
-  k = _masking.zero_invalid_rows(key, k_seg)
-  v = _masking.zero_invalid_rows(value, k_seg)
+  q, k, v = visibility.zero_padded_inputs(query, key, value, problem.q_seg, problem.k_seg)
   sp = cfg.specs()
   q, k, v = (_constrain(x, mesh, sp["x"]) for x in (q, k, v))
-  q_seg, k_seg, q_pos, k_pos = (_constrain(x, mesh, sp["row"]) for x in (q_seg, k_seg, q_pos, k_pos))
+  q_seg, k_seg, q_pos, k_pos = (_constrain(x, mesh, sp["row"]) for x in problem.rows())
   out, lse = _ring(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
   return (out, lse) if return_lse else out
 
@@ -328,7 +319,7 @@ class _RingConfig:
   skip: bool
   kernel_fwd: bool = False  # chunk pairs may run on the GPU forward kernel
   kernel_bwd: bool = False  # ... and on the backward kernels
-  max_runs: int = 1         # run slots per batch row of a chunk (see _packing)
+  max_runs: int = 1         # run slots per batch row of a chunk (see _core.problem)
   grouped: bool = False     # lengths-only problem: one kernel call per group of chunk pairs (below)
 
   @property
@@ -337,7 +328,7 @@ class _RingConfig:
 
   def specs(self):
     seq, bat, hd = self.axis_name, self.batch_axis, self.head_axis
-    return dict(x=P(bat, seq, hd, None), row=P(bat, seq), lse=P(bat, hd, seq))
+    return dict(x=PartitionSpec(bat, seq, hd, None), row=PartitionSpec(bat, seq), lse=PartitionSpec(bat, hd, seq))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -410,31 +401,6 @@ def _unpack_chunk(kv):
   return kvf[0], kvf[1], kvi[0], kvi[1]
 
 
-def _may_see(spec, q_seg, q_pos, k_seg, k_pos):
-  """Scalar bool: False only if no (query, key) pair of these chunks can be visible.
-
-  Conservative (ranges over the whole local batch): a True block may still be fully masked.
-  Computed from segments and positions only, so it never depends on what padded memory holds.
-  """
-  qv, kv = q_seg >= 0, k_seg >= 0
-  big = jnp.int32(_BIG)
-  qmin = jnp.min(jnp.where(qv, q_pos, big))
-  qmax = jnp.max(jnp.where(qv, q_pos, -big))
-  kmin = jnp.min(jnp.where(kv, k_pos, big))
-  kmax = jnp.max(jnp.where(kv, k_pos, -big))
-  ok = jnp.any(qv) & jnp.any(kv)
-  if spec.causal:
-    ok &= kmin <= qmax
-  if spec.window_left is not None:
-    ok &= kmax >= qmin - min(spec.window_left, _BIG)
-  if spec.window_right is not None:
-    ok &= kmin <= qmax + min(spec.window_right, _BIG)
-  # Segments: the id ranges of the two chunks must overlap.
-  ok &= jnp.max(jnp.where(qv, q_seg, -1)) >= jnp.min(jnp.where(kv, k_seg, big))
-  ok &= jnp.max(jnp.where(kv, k_seg, -1)) >= jnp.min(jnp.where(qv, q_seg, big))
-  return ok
-
-
 def _merge(o_acc, lse_acc, o_blk, lse_blk):
   """Combine two partial results through their lse (``-inf`` = saw nothing). Selects only."""
   ninf = _F32(-jnp.inf)
@@ -484,8 +450,9 @@ def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
           return _merge(o_a, lse_a, o_b.astype(_F32), lse_b)
 
         if cfg.skip:
-          o_acc[a], lse_acc[a] = lax.cond(_may_see(spec, qsa, qpa, ksb, kpb), compute,
-                                          lambda o_a, lse_a: (o_a, lse_a), o_acc[a], lse_acc[a])
+          o_acc[a], lse_acc[a] = lax.cond(
+              visibility.may_see(spec, qsa, qpa, ksb, kpb, big=_BIG), compute,
+              lambda o_a, lse_a: (o_a, lse_a), o_acc[a], lse_acc[a])
         else:
           o_acc[a], lse_acc[a] = compute(o_acc[a], lse_acc[a])
     kv = kv_next
@@ -525,8 +492,8 @@ def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
           return dq_a + g_q.astype(_F32), dk_b + g_k.astype(_F32), dv_b + g_v.astype(_F32)
 
         if cfg.skip:
-          dq[a], dk_b, dv_b = lax.cond(_may_see(spec, qsa, qpa, ksb, kpb), compute,
-                                       lambda *c: c, dq[a], dk_b, dv_b)
+          dq[a], dk_b, dv_b = lax.cond(visibility.may_see(spec, qsa, qpa, ksb, kpb, big=_BIG),
+                                       compute, lambda *c: c, dq[a], dk_b, dv_b)
         else:
           dq[a], dk_b, dv_b = compute(dq[a], dk_b, dv_b)
       dk_parts.append(dk_b)
@@ -561,7 +528,7 @@ def _ring_kernels(implementation, spec, query, key):
       raise NotImplementedError(f'ring_attention(implementation="cute") cannot run this call: '
                                 f"{reason}. Use implementation=None to fall back to pure JAX.")
     return False, False
-  return True, _backends._backward_kernel_ops(spec, query, key) is not None  # pylint: disable=protected-access
+  return True, cute.backward_supported(spec, query, key)
 
 
 _PURE_JAX, _KERNEL_FULL, _KERNEL_CAUSAL = 0, 1, 2
@@ -570,16 +537,16 @@ _PURE_JAX, _KERNEL_FULL, _KERNEL_CAUSAL = 0, 1, 2
 def _block_route(cfg, q_seg, k_seg, q_pos, k_pos):
   """``(branch, runs)`` for one chunk pair, from segments and positions only.
 
-  The kernels see the pair as runs (``_packing``). Without a causal mask they serve it whenever
+  The kernels see the pair as runs (``_core.problem.Runs``). Without a causal mask they serve it whenever
   the runs describe it exactly. With one they serve a pair whose valid keys all precede its valid
   queries as a fully visible pair (non-causal kernel), and a diagonal pair whose query and key runs
   start at the same position with the causal kernel; anything else runs on the pure-JAX block.
   """
-  runs, exact = _packing.runs_from_segments(q_seg, k_seg, q_pos, k_pos, max_runs=cfg.max_runs,
+  runs, exact = P.runs_from_segments(q_seg, k_seg, q_pos, k_pos, max_runs=cfg.max_runs,
                                             positional=False, bottom_right=False)
   if not cfg.spec.causal:
     return jnp.where(exact, _KERNEL_FULL, _PURE_JAX), runs
-  _, exact_causal = _packing.runs_from_segments(q_seg, k_seg, q_pos, k_pos, max_runs=cfg.max_runs,
+  _, exact_causal = P.runs_from_segments(q_seg, k_seg, q_pos, k_pos, max_runs=cfg.max_runs,
                                                 positional=True, bottom_right=False)
   big = jnp.int32(_BIG)
   kmax = jnp.max(jnp.where(k_seg >= 0, k_pos, -big))
@@ -592,9 +559,8 @@ def _block_route(cfg, q_seg, k_seg, q_pos, k_pos):
 def _kernel_static(cfg, causal, tq, tk):
   # Runs from segment ids leave gaps between them: the rows no tile covers must be zeroed by the library
   # (a memset, or on Hopper the row-zeroing kernel), not promised covered.
-  spec = dataclasses.replace(cfg.spec, causal=causal, bottom_right=False, max_seqlen_q=tq,
-                             max_seqlen_k=tk, dense_rows=False)
-  return _backends._kernel_static_args(spec)  # pylint: disable=protected-access
+  spec = dataclasses.replace(cfg.spec, causal=causal, bottom_right=False)
+  return cute.kernel_static_args(spec, max_seqlen_q=tq, max_seqlen_k=tk, rows_covered=False)
 
 
 def _block_forward(cfg, qa, kb, vb, qsa, ksb, qpa, kpb):
@@ -602,14 +568,13 @@ def _block_forward(cfg, qa, kb, vb, qsa, ksb, qpa, kpb):
   spec = cfg.spec
 
   def pure_jax(qa, kb, vb):
-    o, lse = _xla.forward(spec, qa.astype(_F32), kb.astype(_F32), vb.astype(_F32), None, None,
+    o, lse = xla.forward(spec, qa.astype(_F32), kb.astype(_F32), vb.astype(_F32), None, None,
                           qsa, ksb, qpa, kpb)
     return o.astype(_F32), lse
 
   if not cfg.kernel_fwd:
     return pure_jax(qa, kb, vb)
-  from jax_padsafe._cute import ops  # pylint: disable=g-import-not-at-top
-  fwd = _partitioning.packed_to_runs(ops.flash_forward)
+  fwd = partitioning.packed_to_runs(cute_forward.flash_forward)
 
   def on_cuda(qa, kb, vb):
     branch, runs = _block_route(cfg, qsa, ksb, qpa, kpb)
@@ -630,15 +595,14 @@ def _block_backward(cfg, qa, kb, vb, qsa, ksb, qpa, kpb, oa, la, doa, dla):
   spec = cfg.spec
 
   def pure_jax(qa, kb, vb, oa, la, doa, dla):
-    g = _xla.backward(spec, qa.astype(_F32), kb.astype(_F32), vb.astype(_F32), None, None, qsa,
+    g = xla.backward(spec, qa.astype(_F32), kb.astype(_F32), vb.astype(_F32), None, None, qsa,
                       ksb, qpa, kpb, oa, la, doa, dla)
     return tuple(x.astype(_F32) for x in g[:3])
 
   operands = (qa, kb, vb, oa, la, doa, dla)
   if not cfg.kernel_bwd:
     return pure_jax(*operands)
-  from jax_padsafe._cute import bwd_ops  # pylint: disable=g-import-not-at-top
-  bwd = _partitioning.packed_backward_to_runs(bwd_ops.flash_backward)
+  bwd = partitioning.packed_backward_to_runs(cute_backward.flash_backward)
 
   def on_cuda(qa, kb, vb, oa, la, doa, dla):
     branch, runs = _block_route(cfg, qsa, ksb, qpa, kpb)
@@ -672,7 +636,7 @@ def _block_backward(cfg, qa, kb, vb, qsa, ksb, qpa, kpb, oa, la, doa, dla):
 # positions, and positions increase along a contiguous chunk and along a zigzag chunk's two halves),
 # and which chunk pairs are visible follows from the device index and the step alone. So each step
 # becomes one or two kernel calls on the whole local chunks, whose *runs* (row ranges, see
-# ``_packing``) select the pairs: a pair that sees nothing gets an empty run (its CTAs exit at once),
+# ``_core.problem``) select the pairs: a pair that sees nothing gets an empty run (its CTAs exit at once),
 # and the device index enters only through the runs' start and length, which live on the device.
 # The causal flag of every call is static: diagonal pairs (step 0) run on the causal kernel, every
 # other visible pair is wholly visible (its keys precede its queries) and runs on the non-causal one.
@@ -728,7 +692,7 @@ def _grouped_runs(spans, q_valid, k_valid, tq):
   k_used = jnp.clip(k_valid[:, None] - k_start[None], 0,
                     jnp.stack([i32(hi) - i32(lo) for _, _, lo, hi in spans])[None])
   b = q_valid.shape[0]
-  runs = _packing.Runs(jnp.broadcast_to(q_start[None], (b, len(spans))), q_used.astype(jnp.int32),
+  runs = P.Runs(jnp.broadcast_to(q_start[None], (b, len(spans))), q_used.astype(jnp.int32),
                        jnp.broadcast_to(k_start[None], (b, len(spans))), k_used.astype(jnp.int32))
 
   def run_id(start, used, rows):
@@ -751,13 +715,12 @@ def _grouped_forward_call(cfg, causal, spans, q, kc, vc, q_valid, k_valid, q_pos
 
   def pure_jax(q, kc, vc):
     k_run_id = run_id(runs.k_start, runs.k_used, tk)
-    o, lse = _xla.forward(spec, q.astype(_F32), kc.astype(_F32), vc.astype(_F32), None, None,
+    o, lse = xla.forward(spec, q.astype(_F32), kc.astype(_F32), vc.astype(_F32), None, None,
                           q_run_id, k_run_id, q_pos, k_pos)
     return o.astype(_F32), lse
 
   def on_cuda(q, kc, vc):
-    from jax_padsafe._cute import ops  # pylint: disable=g-import-not-at-top
-    fwd = _partitioning.packed_to_runs(ops.flash_forward)
+    fwd = partitioning.packed_to_runs(cute_forward.flash_forward)
     o, lse = fwd(q, kc, vc, *runs, **_kernel_static(cfg, causal, tq, tk))
     return o.astype(_F32), lse
 
@@ -775,13 +738,12 @@ def _grouped_backward_call(cfg, causal, spans, q, kc, vc, o, lse, do, dlse, q_va
 
   def pure_jax(q, kc, vc, o, lse, do, dlse):
     k_run_id = run_id(runs.k_start, runs.k_used, tk)
-    g = _xla.backward(spec, q.astype(_F32), kc.astype(_F32), vc.astype(_F32), None, None, q_run_id,
+    g = xla.backward(spec, q.astype(_F32), kc.astype(_F32), vc.astype(_F32), None, None, q_run_id,
                       k_run_id, q_pos, k_pos, o, lse, do, dlse)
     return tuple(x.astype(_F32) for x in g[:3])
 
   def on_cuda(q, kc, vc, o, lse, do, dlse):
-    from jax_padsafe._cute import bwd_ops  # pylint: disable=g-import-not-at-top
-    bwd = _partitioning.packed_backward_to_runs(bwd_ops.flash_backward)
+    bwd = partitioning.packed_backward_to_runs(cute_backward.flash_backward)
     g = bwd(q, kc, vc, o.astype(q.dtype), lse, do.astype(q.dtype), dlse.astype(_F32), *runs,
             deterministic=cfg.spec.deterministic, **_kernel_static(cfg, causal, tq, tk))
     return tuple(x.astype(_F32) for x in g)
@@ -790,7 +752,7 @@ def _grouped_backward_call(cfg, causal, spans, q, kc, vc, o, lse, do, dlse, q_va
 
 
 def _valid_prefix(seg):
-  return _masking.row_is_valid(seg).sum(axis=1).astype(jnp.int32)
+  return visibility.row_is_valid(seg).sum(axis=1).astype(jnp.int32)
 
 
 def _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
@@ -811,7 +773,7 @@ def _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
         o_acc, lse_acc = _merge(o_acc, lse_acc, o_b, lse_b)
     held = held_next
   lse = jnp.where((q_seg >= 0)[:, None, :], lse_acc, _F32(0))  # padded rows: lse exactly 0
-  o = _masking.zero_invalid_rows(o_acc, q_seg)
+  o = visibility.zero_invalid_rows(o_acc, q_seg)
   return o.astype(q.dtype), lse
 
 

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_padsafe import _masking
-from jax_padsafe import _validation as V
-from jax_padsafe._api import dot_product_attention
+from jax_padsafe._core import checks
+from jax_padsafe._core import visibility
+from jax_padsafe.attention import dot_product_attention
 
 #: Options of :func:`jax_padsafe.dot_product_attention` that the layers forward unchanged.
 ATTENTION_OPTIONS = ("scale", "is_causal", "causal_alignment", "local_window_size", "softcap",
@@ -77,9 +77,9 @@ def attend(query, key, value, *, bias=None, mask=None, query_seq_lengths=None,
   if bias is not None:
     kw["bias"] = _fold_pairwise("bias", bias, batch_shape)
   if "query_seq_lengths" in kw:
-    V.check_lengths_in_range("query_seq_lengths", kw["query_seq_lengths"], t)
+    checks.check_lengths_in_range("query_seq_lengths", kw["query_seq_lengths"], t)
   if "key_value_seq_lengths" in kw:
-    V.check_lengths_in_range("key_value_seq_lengths", kw["key_value_seq_lengths"], s)
+    checks.check_lengths_in_range("key_value_seq_lengths", kw["key_value_seq_lengths"], s)
   static = {name: kw.pop(name) for name in ATTENTION_OPTIONS if name in kw}
   try:
     hash(tuple(static.items()))
@@ -108,7 +108,7 @@ def valid_rows(batch_shape, length, lengths=None, segment_ids=None):
     lengths = jnp.broadcast_to(jnp.asarray(lengths), tuple(batch_shape))
     valid = valid & (rows < lengths[..., None])
   if segment_ids is not None:
-    valid = valid & (jnp.broadcast_to(jnp.asarray(segment_ids), valid.shape) >= 0)
+    valid = valid & visibility.row_is_valid(jnp.broadcast_to(jnp.asarray(segment_ids), valid.shape))
   return valid
 
 
@@ -120,7 +120,7 @@ def select_rows(x, valid):
   """
   if valid is None:
     return x
-  return _masking.select_rows(x, valid)
+  return visibility.select_rows(x, valid)
 
 
 def positions_from_segments(segment_ids):

@@ -3,7 +3,7 @@
 The forward kernels give a CTA ``block_m = 128`` query rows of one head and walk every key of its
 sequence. With a handful of query rows per sequence (one per decode step) that grid has ``B * N``
 CTAs of nearly empty tiles, each streaming a whole KV cache: on an H100 one 128k-token sequence took
-1.3 ms against cuDNN's 0.19 ms (benchmarks/RESULTS.md, session 15). Two rewrites of the call, exact
+1.3 ms against cuDNN's 0.19 ms (2026-11-25). Two rewrites of the call, exact
 in what is visible, fix the shape of the grid without touching a kernel:
 
 * **GQA packing.** The ``G = N / K`` query heads that share a key/value head become ``T * G`` query
@@ -28,26 +28,23 @@ keys before ``kv_len - q_len + 1``: those are split as above, and the last ``q_l
 diagonal) go to one more kernel call with causal masking in the same alignment, unpacked, whose result
 is merged like a chunk's.
 ``eligible`` checks that and that the rows come from lengths (one run per batch row starting at
-row 0, the ``dense_rows`` layout: ``split_kv_to_runs``) or from the packed layout (``split_kv_packed``:
+row 0, the problem's ``lengths`` layout: ``split_kv_to_runs``) or from the packed layout (``split_kv_packed``:
 each sequence's query rows, at most ``max_seqlen_q``, are gathered into a dense block and the results
 scattered back); the plan (``plan``) is made from the shapes the function is traced with, which under
 ``custom_partitioning`` are the local shard's. The backward is unchanged: it recomputes from q, k, v
 and the merged o and lse, which are the unsplit call's up to rounding.
-
-``JAX_PADSAFE_SPLIT_KV=0`` turns the rewrite off (A/B measurements); it is read when a call is traced
-(jax_padsafe caches traced calls, so it must be set before a process's first call).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from jax_padsafe import _masking
+from jax_padsafe._backends import partitioning
+from jax_padsafe._core import visibility
 
 # Query rows per kernel tile (block_m of the kernels that run on the GPUs we ship for: sm90 and the
 # SM80-class hd64-128 tiles; at hd192/256 the SM80-class tile is 64 rows, where packing only helps more).
@@ -75,18 +72,12 @@ class Plan(NamedTuple):
     return self.pack or self.splits > 1
 
 
-def enabled() -> bool:
-  return os.environ.get("JAX_PADSAFE_SPLIT_KV", "1") != "0"
-
-
-def eligible(spec, num_query_rows: int, kernel_args) -> bool:
+def eligible(spec, problem) -> bool:
   """Whether the rewrite keeps this call's visibility (see the module docstring): the packed layout, or
-  the padded one with lengths; ``num_query_rows`` is T, or ``max_seqlen_q`` for the packed layout."""
-  if not enabled() or kernel_args is None or not (spec.packed or spec.dense_rows):
+  the padded one with lengths (one run per batch row from row 0)."""
+  if problem.kernel is None or not (problem.packed or problem.dense_rows):
     return False
-  if "runs_exact" in kernel_args:  # segment ids: several runs per row
-    return False
-  if num_query_rows == 1 or not (spec.causal or spec.has_window):
+  if problem.max_seqlen_q == 1 or not (spec.causal or spec.has_window):
     return True
   # Several rows with bottom-right causal masking (speculative decoding, chunked prefill): the keys
   # before the diagonal are split, the diagonal is one more small causal call.
@@ -156,7 +147,7 @@ def _rewritten_call(packed_fn, p: Plan, q, q_len, k, v, k_base, k_end, kv_len, s
   """The rewritten kernel call(s) for dense query rows and keys in place.
 
   Args:
-    packed_fn: the kernels' packed forward (``ops.flash_forward``'s signature).
+    packed_fn: the kernels' packed forward (``forward.flash_forward``'s signature).
     p: the plan (``changes_call``).
     q: ``[B, T, N, H]``; rows ``t < q_len[b]`` of batch row ``b`` are valid.
     k, v: ``[total_k, K, H]``; sequence ``b``'s keys are rows ``k_base[b] + [0, kv_len[b])``, inside its
@@ -192,8 +183,8 @@ def _rewritten_call(packed_fn, p: Plan, q, q_len, k, v, k_base, k_end, kv_len, s
     o, lse = merge_partials(jnp.stack([o, o_d]), jnp.stack([lse, lse_d]))
   # Padded rows: o exactly 0 and lse exactly 0 (the contract), by select.
   valid = _valid_rows(t, q_len)
-  o = _masking.select_rows(o, valid).astype(q.dtype)
-  lse = _masking.select_rows(lse, valid).transpose(0, 2, 1)
+  o = visibility.select_rows(o, valid).astype(q.dtype)
+  lse = visibility.select_rows(lse, valid).transpose(0, 2, 1)
   return o, lse
 
 
@@ -265,13 +256,12 @@ def _plan_for(static, batch, rows, heads, kv_heads, keys):
 
 
 def split_kv_to_runs(packed_fn):
-  """A runs forward (``_partitioning.packed_to_runs``'s signature, the runs layout of ``_packing``) that
-  applies the plan; calls it leaves unchanged go to ``packed_to_runs(packed_fn)``.
+  """A runs forward (``partitioning.packed_to_runs``'s signature, the problem's ``Runs``) that applies
+  the plan; calls it leaves unchanged go to ``packed_to_runs(packed_fn)``.
 
   Only for calls that ``eligible`` accepted: one run per batch row, starting at row 0.
   """
-  from jax_padsafe import _partitioning  # pylint: disable=g-import-not-at-top
-  plain = _partitioning.packed_to_runs(packed_fn)
+  plain = partitioning.packed_to_runs(packed_fn)
 
   @functools.wraps(packed_fn)
   def padded(q, k, v, q_start, q_used, k_start, k_used, **static):

@@ -20,7 +20,7 @@ shard with no collective:
 The wrapped function must be a pure function of its array arguments given the static keyword
 arguments (which must be hashable): it is traced once per shard shape.
 
-Signatures (the kernel engineer's ``jax_padsafe._cute.ops.flash_forward`` is the packed one)::
+Signatures (``jax_padsafe._backends.cute.forward.flash_forward`` is the packed one)::
 
   packed: fn(q [total_q, N, H], k [total_k, K, H], v [total_k, K, H],
              cu_seqlens_q [B+1], cu_seqlens_k [B+1], seqused_q [B], seqused_k [B], **static)
@@ -40,7 +40,7 @@ import math
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_padsafe import _packing
+from jax_padsafe._core import problem as _problem
 
 __all__ = ["partition_packed_forward", "partition_padded_forward", "partition_runs_forward",
            "partition_packed_backward", "partition_runs_backward", "packed_to_padded",
@@ -98,7 +98,7 @@ def packed_to_padded(packed_fn):
 
   @functools.wraps(packed_fn)
   def padded(q, k, v, q_len, kv_len, **static):
-    return runs_fn(q, k, v, *_packing.runs_from_lengths(q_len, kv_len), **static)
+    return runs_fn(q, k, v, *_problem.runs_from_lengths(q_len, kv_len), **static)
 
   return padded
 
@@ -106,7 +106,7 @@ def packed_to_padded(packed_fn):
 def packed_to_runs(packed_fn):
   """A padded forward over runs ``(q [B,T,N,H], k, v, q_start, q_used, k_start, k_used [B,R])``.
 
-  See :mod:`jax_padsafe._packing`: run ``r`` of batch row ``b`` becomes packed sequence ``b*R+r``,
+  See :mod:`jax_padsafe._core.problem`: run ``r`` of batch row ``b`` becomes packed sequence ``b*R+r``,
   with offsets built from the shapes it sees (the local batch shard under partitioning).
   """
 
@@ -114,7 +114,7 @@ def packed_to_runs(packed_fn):
   def padded(q, k, v, q_start, q_used, k_start, k_used, **static):
     b, t, n, h = q.shape
     s, nk = k.shape[1], k.shape[2]
-    view = _packing.packed_view(_packing.Runs(q_start, q_used, k_start, k_used), t, s)
+    view = _problem.packed_view(_problem.Runs(q_start, q_used, k_start, k_used), t, s)
     o, lse = packed_fn(
         q.reshape(b * t, n, h), k.reshape(b * s, nk, k.shape[-1]), v.reshape(b * s, nk, v.shape[-1]),
         *view, **static)
@@ -135,7 +135,7 @@ def packed_backward_to_runs(packed_bwd):
   def padded(q, k, v, o, lse, do, dlse, q_start, q_used, k_start, k_used, **static):
     b, t, n, h = q.shape
     s = k.shape[1]
-    view = _packing.packed_view(_packing.Runs(q_start, q_used, k_start, k_used), t, s)
+    view = _problem.packed_view(_problem.Runs(q_start, q_used, k_start, k_used), t, s)
     flat = lambda x, rows: x.reshape((b * rows,) + x.shape[2:])
     dq, dk, dv = packed_bwd(
         flat(q, t), flat(k, s), flat(v, s), flat(o, t), _batch_to_rows(lse), flat(do, t),
@@ -160,7 +160,7 @@ def partition_runs_forward(fn, *, head_sharding: str = "reshard"):
 
 
 def partition_packed_backward(fn, *, head_sharding: str = "reshard"):
-  """Wrap a packed backward (``bwd_ops.flash_backward``'s signature) so head-sharded calls run
+  """Wrap a packed backward (``backward.flash_backward``'s signature) so head-sharded calls run
   shard-local. dK/dV sum over a group's query heads, so MQA (one key/value head) is never split
   by heads here: the heads are re-sharded to replicated instead."""
   return _wrap(fn, _PACKED_BWD_ARGS, _PACKED_BWD_OUTS, _PACKED_BWD_RULE, _PACKED_REPLICATED,

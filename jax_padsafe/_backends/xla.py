@@ -1,7 +1,8 @@
 """Pure-JAX pad-safe flash attention (runs on CPU, GPU and TPU).
 
 This is the fallback for every feature combination the GPU kernels do not cover, and the oracle the
-kernels are tested against. It works on the canonical problem described in ``_spec``:
+kernels are tested against. It works on the per-row view of the canonical problem
+(``jax_padsafe._core.problem``):
 
 * Forward: an online softmax over blocks of ``block_k`` keys (``lax.scan``), so memory grows with
   ``T x block_k`` rather than ``T x S``.
@@ -10,8 +11,8 @@ kernels are tested against. It works on the canonical problem described in ``_sp
 
 Pad-safety rules followed everywhere below:
 
-* inputs are sanitised with selects before any arithmetic (done by the caller, ``_api``, and again
-  here for the cotangents);
+* inputs are sanitised with selects before any arithmetic (done by the caller, ``attention._run``,
+  and again here for the cotangents);
 * masked logits are *selected* away (``jnp.where``), never multiplied by zero;
 * the running max is replaced by 0 while a row has seen no visible key, so ``exp(-inf - -inf)`` is
   never evaluated;
@@ -20,17 +21,13 @@ Pad-safety rules followed everywhere below:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_padsafe import _masking
-from jax_padsafe._spec import AttentionSpec
+from jax_padsafe._core import visibility
+from jax_padsafe._core.backend import Backend
+from jax_padsafe._core.spec import AttentionSpec
 
 _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
@@ -135,7 +132,7 @@ def _block_logits(spec: AttentionSpec, qg, q_seg, q_pos, blk):
     cap = _F32(spec.softcap)
     tanh_s = jnp.tanh(s / cap)
     s = cap * tanh_s
-  vis = _masking.visible(spec, q_seg, blk["k_seg"], q_pos, blk["k_pos"])[:, None, None]
+  vis = visibility.visible(spec, q_seg, blk["k_seg"], q_pos, blk["k_pos"])[:, None, None]
   if "mask" in blk:
     vis = vis & blk["mask"]
   if "bias" in blk:
@@ -190,7 +187,7 @@ def forward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos
   has_key = m != -jnp.inf
   l_safe = jnp.where(has_key, l, _F32(1))
   o = jnp.where(has_key[..., None], acc / l_safe[..., None], _F32(0))
-  q_valid = _masking.row_is_valid(q_seg)[:, None, None, :]
+  q_valid = visibility.row_is_valid(q_seg)[:, None, None, :]
   # lse: finite for rows that saw a key, -inf for valid rows that saw none, exactly 0 for padding.
   lse = jnp.where(has_key, m + jnp.log(l_safe), jnp.where(q_valid, -jnp.inf, _F32(0)))
   o = jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, t, n, hv).astype(q.dtype)
@@ -207,8 +204,8 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
   s_len, num_kv_heads = k.shape[1], k.shape[2]
   g = n // num_kv_heads
 
-  q_valid = _masking.row_is_valid(q_seg)
-  do = _masking.zero_invalid_rows(do, q_seg).astype(_F32)
+  q_valid = visibility.row_is_valid(q_seg)
+  do = visibility.zero_invalid_rows(do, q_seg).astype(_F32)
   # Delta = rowsum(dO * O) - dlse, explicitly zero in padded rows and in rows that saw no key
   # (they contribute nothing; their lse is -inf and must not be subtracted from anything).
   has_key = (lse != -jnp.inf) & q_valid[:, None, :]  # a NaN lse (NaN in valid data) propagates
@@ -267,63 +264,15 @@ def _reduce_to_bias(ds, bias_shape):
 
 
 # --------------------------------------------------------------------------------------------------
-# custom_vjp
+# The backend
 # --------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Backend:
-  """A forward and a backward on the canonical problem (hashable: a ``custom_vjp`` nondiff arg).
-
-  ``forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args) -> (o, lse)``;
-  ``backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args, o, lse, do, dlse)
-  -> (dq, dk, dv, dbias)``. ``kernel_args`` holds the packed-layout view (cu_seqlens, seqused)
-  that the GPU kernels take; the pure-JAX functions ignore it.
-
-  ``reads_padding_safely``: the backend never computes from padded rows of q/k/v (the kernels
-  load them with predicated zero-fill or zero them in shared memory, and mask by select) and
-  writes exact zeros to the padded rows of o/dq/dk/dv itself, so the caller need not zero padded
-  input rows first. The pure-JAX functions need that zeroing (``_api._run`` does it for them).
-  """
-  name: str
-  forward: Callable
-  backward: Callable
-  reads_padding_safely: bool = False
+def xla_forward(spec, q, k, v, bias, mask, problem):
+  return forward(spec, q, k, v, bias, mask, *problem.rows())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def attention(spec, backend, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
-  """Differentiable pad-safe attention on the canonical problem; returns ``(o, lse)``."""
-  return backend.forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args)
-
-
-def _attention_fwd(spec, backend, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
-  o, lse = backend.forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args)
-  return (o, lse), (q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args, o, lse)
-
-
-def _attention_bwd(spec, backend, res, cotangents):
-  do, dlse = cotangents
-  dq, dk, dv, dbias = backend.backward(spec, *res, do, dlse)
-  no_grad = jax.tree_util.tree_map(lambda _: None, res[9])
-  return dq, dk, dv, dbias, None, None, None, None, None, no_grad
-
-
-attention.defvjp(_attention_fwd, _attention_bwd)
-
-
-def xla_forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args):
-  del kernel_args
-  return forward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos)
-
-
-def xla_backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, kernel_args, o, lse, do,
-                 dlse):
-  del kernel_args
-  return backward(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse)
+def xla_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse):
+  return backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse)
 
 
 XLA = Backend("xla", xla_forward, xla_backward)
-
-
-def default_scale(head_dim: int) -> float:
-  return 1.0 / math.sqrt(head_dim)

@@ -1,11 +1,19 @@
 """Argument checking: every bad input becomes a ``ValueError``/``TypeError`` at trace time that names
-the argument and what was expected (never a crash, a hang or a silent wrong answer)."""
+the argument and what was expected (never a crash, a hang or a silent wrong answer).
+
+The checks of every public entry point live here; :mod:`jax_padsafe._core.problem` calls the ones
+for lengths, segment ids and offsets while it builds the canonical problem.
+"""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import jax
 import jax.numpy as jnp
+
+from jax_padsafe._core.spec import AttentionSpec
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 IMPLEMENTATIONS = (None, "xla", "cute")
@@ -144,3 +152,97 @@ def broadcastable_4d(name, x, target, *, bool_dtype: bool):
     if have not in (1, want):
       raise ValueError(f"{name} of shape {x.shape} does not broadcast to [B, N, T, S] = {target}")
   return x
+
+
+def default_scale(head_dim: int) -> float:
+  return 1.0 / math.sqrt(head_dim)
+
+
+def make_spec(head_dim, scale, is_causal, local_window_size, softcap, block_k, *, bottom_right=False,
+              deterministic=False) -> AttentionSpec:
+  """The checked static options of one call."""
+  scale = check_scalar("scale", scale)
+  if scale is None:
+    scale = default_scale(head_dim)
+  # softcap=0 means "no softcap" (FlashAttention's convention); negative values are rejected.
+  if softcap is not None and not isinstance(softcap, jax.core.Tracer) and softcap == 0:
+    softcap = None
+  softcap = check_scalar("softcap", softcap, positive=True)
+  left, right = normalize_window(local_window_size)
+  if not isinstance(block_k, (int, np.integer)) or isinstance(block_k, (bool, np.bool_)) or block_k <= 0:
+    raise ValueError(f"block_k must be a positive int, got {block_k!r}")
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
+  return AttentionSpec(scale=scale, causal=bool(is_causal), window_left=left, window_right=right,
+                       softcap=softcap, block_k=int(block_k), bottom_right=bool(bottom_right),
+                       deterministic=bool(deterministic))
+
+
+def lengths(name, value, batch, upper):
+  """Valid lengths ``[batch]`` int32 in ``[0, upper]`` (``upper`` when not given)."""
+  if value is None:
+    return jnp.full((batch,), upper, jnp.int32)
+  value = int_vector(name, value, batch, what="one length per batch element")
+  check_lengths_in_range(name, value, upper)
+  return jnp.clip(value, 0, upper)
+
+
+def segment_ids(name, ids, shape):
+  """Segment ids of ``shape`` as int32, or ``None``."""
+  if ids is None:
+    return None
+  ids = jnp.asarray(ids)
+  if ids.shape != shape:
+    raise ValueError(f"{name} must have shape {shape}, got {ids.shape}")
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got {ids.dtype}")
+  return ids.astype(jnp.int32)
+
+
+def check_segment_pair(query_segment_ids, key_value_segment_ids):
+  if (query_segment_ids is None) != (key_value_segment_ids is None):
+    raise ValueError("query_segment_ids and key_value_segment_ids must be given together")
+
+
+def max_segments(value):
+  """``max_segments``: a positive Python int (or ``None``)."""
+  if value is None:
+    return None
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"max_segments must be a positive Python int, got {value!r}")
+  return int(value)
+
+
+def cu_seqlens(name, cu, total):
+  """Concrete offsets must be non-decreasing within ``[0, total]``; traced ones are made so by the caller."""
+  if not is_concrete(cu):
+    return
+  arr = np.asarray(cu)
+  if arr[0] < 0 or arr[-1] > total or np.any(np.diff(arr) < 0):
+    raise ValueError(
+        f"{name} must be non-decreasing offsets within [0, {total}], got {arr.tolist()}")
+
+
+def seqused(name, used, nseq, capacity):
+  """Rows used per sequence, ``[nseq]`` int32 within ``[0, capacity]`` (``capacity`` when not given)."""
+  if used is None:
+    return capacity
+  used = int_vector(name, used, nseq, what="rows used per sequence")
+  if is_concrete(used) and is_concrete(capacity):
+    u, c = np.asarray(used), np.asarray(capacity)
+    if np.any(u < 0) or np.any(u > c):
+      raise ValueError(f"{name} must lie in [0, cu_seqlens[b+1]-cu_seqlens[b]] = {c.tolist()}, "
+                       f"got {u.tolist()}")
+  return jnp.clip(used, 0, capacity)
+
+
+def max_seqlen(name, value, total, capacity):
+  """The static bound on sequence lengths (default ``total``, at least 1)."""
+  if value is None:
+    return max(int(total), 1)
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value < 2 ** 31:
+    raise ValueError(f"{name} must be a Python int in [0, 2**31) (static; offsets are int32), got {value!r}")
+  if is_concrete(capacity) and np.asarray(capacity).size and int(np.max(np.asarray(capacity))) > value:
+    raise ValueError(f"{name}={value} is smaller than the longest sequence "
+                     f"({int(np.max(np.asarray(capacity)))})")
+  return int(value)

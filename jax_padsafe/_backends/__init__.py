@@ -1,0 +1,52 @@
+"""Backend dispatch: which ``Backend`` runs inside the shared ``custom_vjp``.
+
+* ``"xla"``: the pure-JAX forward and backward (every platform, every feature), :mod:`.xla`.
+* ``"cute"``: the CuTe DSL kernels through XLA FFI on CUDA devices, :mod:`.cute`
+  (``lax.platform_dependent`` lowers the same call to the pure-JAX path on other platforms, so a
+  jitted program stays portable). A feature combination the kernels do not support raises
+  ``NotImplementedError``.
+* ``None``: the kernels when they are built and support the call, else the pure-JAX path.
+
+Within the kernel backend, the backward runs on the backward kernels where they are built and
+support the call, and is the pure-JAX blockwise backward otherwise.
+"""
+
+from __future__ import annotations
+
+from jax_padsafe._backends import xla
+from jax_padsafe._backends.cute import backend as cute
+from jax_padsafe._backends.cute import library
+from jax_padsafe._core.backend import Backend
+from jax_padsafe._core.spec import AttentionSpec
+
+BACKENDS = {"xla": xla.XLA, "cute": cute.CUTE}
+
+
+def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, problem=None):
+  """``None`` if the GPU forward kernel can run this call, else why not (a sentence)."""
+  if not library.library_available():
+    return ("the kernel library was not built into this install "
+            "(see BUILD.md: build from source with the kernels enabled)")
+  if mask is not None:
+    return "a boolean `mask` is only supported by the pure-JAX path (use lengths or segment ids)"
+  if problem is not None and problem.unsupported is not None:
+    return problem.unsupported
+  n, h = query.shape[-2], query.shape[-1]
+  return library.unsupported_reason(
+      dtype=query.dtype, head_dim=h, head_dim_v=h, num_heads=n, num_kv_heads=key.shape[-2],
+      causal=spec.causal, window=spec.has_window, softcap=spec.softcap,
+      has_bias=bias is not None)
+
+
+def choose_backend(implementation, spec: AttentionSpec, problem, query, key, *, bias,
+                   mask) -> Backend:
+  """The ``Backend`` for this call (see the module docstring for the rules)."""
+  if implementation == "xla":
+    return BACKENDS["xla"]
+  reason = kernel_unsupported_reason(spec, query, key, bias=bias, mask=mask, problem=problem)
+  if reason is None:
+    return BACKENDS["cute"]
+  if implementation == "cute":
+    raise NotImplementedError(f'implementation="cute" cannot run this call: {reason}. '
+                              'Use implementation=None to fall back to the pure-JAX path.')
+  return BACKENDS["xla"]

@@ -1,0 +1,173 @@
+"""The kernels as a ``Backend``: the canonical problem's kernel view to partitioned kernel calls.
+
+``problem.kernel`` is the packed layout's :class:`SeqLens` (``cu_seqlens`` / ``seqused``, heads
+shardable) or the padded layout's :class:`Runs` (batch and heads shardable); either goes to one
+``custom_partitioning`` kernel call (``partitioning``), which for runs builds the kernels'
+``cu_seqlens`` from its shard-local batch. ``lax.platform_dependent`` lowers the same call to the
+pure-JAX path on non-CUDA platforms, so a jitted program stays portable; with traced segment ids a
+run-time ``lax.cond`` on ``problem.runs_exact`` sends layouts the kernels cannot express to the
+pure-JAX path on CUDA as well.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import custom_batching
+from jax import lax
+
+from jax_padsafe._backends import partitioning as P
+from jax_padsafe._backends import xla
+from jax_padsafe._backends.cute import backward as cute_backward_ops
+from jax_padsafe._backends.cute import forward as cute_forward_ops
+from jax_padsafe._backends.cute import library
+from jax_padsafe._backends.cute import split_kv
+from jax_padsafe._core import visibility
+from jax_padsafe._core.backend import Backend
+from jax_padsafe._core.spec import AttentionSpec
+
+
+def kernel_static_args(spec: AttentionSpec, *, max_seqlen_q: int, max_seqlen_k: int,
+                       rows_covered: bool):
+  """The kernels' static keyword arguments for ``spec`` (``flash_forward``'s, and
+  ``flash_backward``'s but ``deterministic``)."""
+  return dict(
+      max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
+      scale=float(spec.scale), causal=spec.causal, bottom_right=spec.bottom_right,
+      window_left=-1 if spec.window_left is None else spec.window_left,
+      window_right=-1 if spec.window_right is None else spec.window_right,
+      softcap=0.0 if spec.softcap is None else float(spec.softcap),
+      rows_covered=rows_covered)
+
+
+def _problem_static_args(spec, problem):
+  return kernel_static_args(spec, max_seqlen_q=problem.max_seqlen_q,
+                            max_seqlen_k=problem.max_seqlen_k,
+                            rows_covered=problem.dense_rows and not problem.packed)
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned_kernel(kind: str):
+  """A kernel entry point wrapped so that batch/head-sharded calls run shard-local (no all-gather).
+
+  ``kind``: ``fwd_packed``/``bwd_packed`` (the problem's ``SeqLens``, heads shardable) or
+  ``fwd_runs``/``bwd_runs`` (its ``Runs``; batch and heads shardable), or ``fwd_split_runs`` /
+  ``fwd_split_packed``: those forwards for few query rows, rewritten by ``split_kv`` (GQA heads
+  packed into rows, keys split), sharded the same way.
+  """
+  fwd, bwd = cute_forward_ops.flash_forward, cute_backward_ops.flash_backward
+  return {
+      "fwd_packed": lambda: P.partition_packed_forward(fwd),
+      "fwd_runs": lambda: P.partition_runs_forward(P.packed_to_runs(fwd)),
+      "fwd_split_runs": lambda: P.partition_runs_forward(split_kv.split_kv_to_runs(fwd)),
+      "fwd_split_packed": lambda: P.partition_packed_forward(split_kv.split_kv_packed(fwd)),
+      "bwd_packed": lambda: P.partition_packed_backward(bwd),
+      "bwd_runs": lambda: P.partition_runs_backward(P.packed_backward_to_runs(bwd)),
+  }[kind]()
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_call(kind: str, static_items: tuple):
+  """The partitioned kernel call for one static configuration, with a vmap rule.
+
+  ``custom_partitioning`` has no batching rule, so ``jax.vmap`` is given one here: for the padded
+  (runs) layout the mapped axis is just more batch rows and is folded into the batch (one kernel
+  launch); for the packed layout each mapped problem is its own launch (``lax.map``).
+  """
+  inner = _partitioned_kernel(kind)
+  static = dict(static_items)
+
+  @custom_batching.custom_vmap
+  def call(*args):
+    return inner(*args, **static)
+
+  @call.def_vmap
+  def call_vmap(axis_size, in_batched, *args):
+    args = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            for a, batched in zip(args, in_batched)]
+    if kind.endswith("packed"):
+      out = lax.map(lambda xs: call(*xs), tuple(args))
+    else:
+      fold = lambda x: x.reshape((-1,) + x.shape[2:])
+      out = call(*(fold(a) for a in args))
+      out = tuple(x.reshape((axis_size, -1) + x.shape[1:]) for x in out)
+    return out, (True,) * len(out)
+
+  return call
+
+
+def _run_kernel_or_fallback(problem, on_cuda, elsewhere, *operands):
+  """``on_cuda`` on CUDA devices and ``elsewhere`` on other platforms; when the segment-id runs
+  were traced (``problem.runs_exact``), a run-time ``lax.cond`` sends layouts the kernels cannot
+  express exactly to ``elsewhere`` (the pure-JAX path) on CUDA as well."""
+  cuda = on_cuda
+  if problem.runs_exact is not None:
+    cuda = lambda *xs: lax.cond(problem.runs_exact, on_cuda, elsewhere, *xs)
+  return lax.platform_dependent(*operands, cuda=cuda, default=elsewhere)
+
+
+def cute_forward(spec, q, k, v, bias, mask, problem):
+  """Forward on the GPU kernel for CUDA, the pure-JAX forward elsewhere (same results contract)."""
+  static = tuple(sorted(_problem_static_args(spec, problem).items()))
+  # Few query rows per sequence (decoding) are rewritten first: GQA heads packed into rows, keys split.
+  split = split_kv.eligible(spec, problem)
+
+  def on_cuda(q, k, v):
+    if problem.packed:  # canonical batch of one holding the packed rows
+      o, lse = _kernel_call("fwd_split_packed" if split else "fwd_packed", static)(
+          q[0], k[0], v[0], *problem.kernel)
+      return o[None], lse[None]
+    return _kernel_call("fwd_split_runs" if split else "fwd_runs", static)(q, k, v, *problem.kernel)
+
+  def elsewhere(q, k, v):
+    q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
+    return xla.forward(spec, q, k, v, bias, mask, *problem.rows())
+
+  return _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v)
+
+
+def backward_supported(spec: AttentionSpec, q, k) -> bool:
+  """Whether the backward kernels are built and support this call's static configuration."""
+  if not library.backward_available():
+    return False
+  return library.unsupported_reason(
+      dtype=q.dtype, head_dim=q.shape[-1], num_heads=q.shape[-2], num_kv_heads=k.shape[-2],
+      causal=spec.causal, window=spec.has_window, softcap=spec.softcap,
+      direction="backward") is None
+
+
+def cute_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse):
+  """Backward on the GPU kernels (CUDA) where built and supported, else the pure-JAX backward."""
+  if not backward_supported(spec, q, k) or bias is not None or mask is not None:
+    return _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse)
+  static = tuple(sorted(dict(_problem_static_args(spec, problem),
+                             deterministic=spec.deterministic).items()))
+
+  def on_cuda(q, k, v, o, lse, do, dlse):
+    dlse = dlse.astype(jnp.float32)
+    if problem.packed:
+      grads = _kernel_call("bwd_packed", static)(
+          q[0], k[0], v[0], o[0], lse[0], do[0], dlse[0], *problem.kernel)
+      return tuple(g[None] for g in grads)
+    return _kernel_call("bwd_runs", static)(q, k, v, o, lse, do, dlse, *problem.kernel)
+
+  def elsewhere(q, k, v, o, lse, do, dlse):
+    return _pure_jax_backward(spec, q, k, v, None, None, problem, o, lse, do, dlse)[:3]
+
+  do = do.astype(q.dtype)
+  dq, dk, dv = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v, o, lse, do, dlse)
+  return dq, dk, dv, None
+
+
+def _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse):
+  """The pure-JAX backward inside the kernel backend, which gets q/k/v unsanitised (see
+  ``Backend.reads_padding_safely``): padded input rows are zeroed first, and the padded rows of
+  the gradients are zeroed after (what the select in front of the pure-JAX path does by its VJP)."""
+  q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
+  dq, dk, dv, dbias = xla.backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse)
+  dq, dk, dv = visibility.zero_padded_inputs(dq, dk, dv, problem.q_seg, problem.k_seg)
+  return dq, dk, dv, dbias
+
+
+CUTE = Backend("cute", cute_forward, cute_backward, reads_padding_safely=True)

@@ -1,0 +1,31 @@
+"""The differentiable entry to every backend: one ``jax.custom_vjp`` on the canonical problem."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def attention(spec, backend, q, k, v, bias, mask, problem):
+  """Differentiable pad-safe attention; returns ``(o, lse)``.
+
+  ``spec`` (:class:`AttentionSpec`) and ``backend`` (:class:`Backend`) are static; ``problem`` (a
+  :class:`Problem` pytree of int32 arrays) gets no gradient.
+  """
+  return backend.forward(spec, q, k, v, bias, mask, problem)
+
+
+def _attention_fwd(spec, backend, q, k, v, bias, mask, problem):
+  o, lse = backend.forward(spec, q, k, v, bias, mask, problem)
+  return (o, lse), (q, k, v, bias, mask, problem, o, lse)
+
+
+def _attention_bwd(spec, backend, res, cotangents):
+  do, dlse = cotangents
+  dq, dk, dv, dbias = backend.backward(spec, *res, do, dlse)
+  return dq, dk, dv, dbias, None, None
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)

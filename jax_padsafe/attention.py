@@ -1,0 +1,220 @@
+"""The public entry points: argument checks, the canonical problem, backend dispatch.
+
+Both layouts are reduced once to the canonical problem (``_core.problem.Problem``: the per-row view
+the pure-JAX path reads and the kernel view the GPU kernels take) and end in one call of
+``_core.vjp.attention`` (a ``jax.custom_vjp``) with a ``Backend`` chosen by ``_backends``: the
+pure-JAX one, or the GPU kernels (``implementation="cute"``), which ``lax.platform_dependent`` turns
+back into the pure-JAX code on non-CUDA platforms so a program stays portable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_padsafe import _backends
+from jax_padsafe._core import checks
+from jax_padsafe._core import problem as P
+from jax_padsafe._core import visibility
+from jax_padsafe._core import vjp
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None,
+    softcap: float | None = None,
+    causal_alignment: str = "top_left",
+    query_segment_ids=None,
+    key_value_segment_ids=None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+    block_k: int = 512,
+    max_segments: int | None = None,
+):
+  r"""Pad-safe scaled dot-product attention; a drop-in for ``jax.nn.dot_product_attention``.
+
+  Shapes follow ``jax.nn``: ``query [B, T, N, H]``, ``key``/``value`` ``[B, S, K, H]`` with
+  ``N % K == 0`` (MHA, GQA, MQA); rank-3 inputs ``[T, N, H]`` are treated as a batch of one.
+
+  Args:
+    query, key, value: bfloat16, float16 or float32 arrays of one dtype.
+    bias: optional additive bias broadcastable to ``[B, N, T, S]``; ``-inf`` hides a key exactly
+      like the mask. Differentiable.
+    mask: optional boolean mask broadcastable to ``[B, N, T, S]`` (``True`` = attend).
+    scale: logit scale, default ``1 / sqrt(H)``.
+    is_causal: causal masking ``j <= i + off`` (see ``causal_alignment``).
+    query_seq_lengths, key_value_seq_lengths: int ``[B]`` valid lengths; rows at or past them are
+      padding. Concrete out-of-range values raise ``ValueError``; traced ones are clamped.
+    local_window_size: ``int`` or ``(left, right)``: key ``j`` is visible to query ``i`` iff
+      ``i + off - left <= j <= i + off + right``. A negative (or ``None``) side is unbounded.
+    implementation: ``None`` (the kernels where they apply, else pure JAX), ``"xla"`` (pure JAX),
+      ``"cute"`` (GPU kernels; ``NotImplementedError`` for unsupported feature combinations).
+    softcap: if set (> 0), logits become ``softcap * tanh(logits / softcap)`` before the bias;
+      ``None`` or ``0`` disables it.
+    causal_alignment: ``"top_left"`` (``off = 0``, as ``jax.nn``) or ``"bottom_right"``
+      (``off = kv_len - q_len`` per sequence, FlashAttention's convention for KV-cache decoding).
+    query_segment_ids, key_value_segment_ids: int ``[B, T]`` / ``[B, S]``; a query sees only keys
+      with the same id; a negative id marks padding (it matches nothing, not even another negative id).
+      The GPU kernels run them when every non-negative id forms one contiguous run of rows per batch
+      row, on both sides, with the key runs in the query runs' order (sequence packing), and, with
+      causal or window masks, when the runs of one id start at the same position (e.g. identical
+      query and key ids). Other layouts run on the pure-JAX path: chosen at trace time when the ids
+      are concrete (``implementation="cute"`` then raises), at run time when they are traced.
+    return_lse: also return the log-sum-exp ``[B, N, T]`` float32 (differentiable).
+    deterministic: gradients bitwise identical across repeated calls. The pure-JAX path always is;
+      GPU backward kernels that accumulate with atomics switch to an ordered reduction.
+    block_k: keys per step of the pure-JAX blockwise loop (memory ~ ``T * block_k`` per head).
+    max_segments: static bound on the segment-id runs per batch row that the kernels are sized for
+      (their grid grows with it). Default: counted from concrete ids, else 32 for traced ids. Rows
+      with more runs take the pure-JAX path at run time.
+
+  Returns:
+    ``out`` with ``query``'s shape and dtype, or ``(out, lse)`` with ``return_lse=True``. Padded
+    query rows give ``out = 0`` and ``lse = 0``; valid rows with no visible key give ``out = 0``
+    and ``lse = -inf``. Every result is bitwise independent of what padded memory holds.
+  """
+  checks.check_implementation(implementation)
+  checks.check_alignment(causal_alignment)
+  checks.check_flags(return_lse=return_lse, deterministic=deterministic)
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  unbatched = query.ndim == 3
+  if unbatched:
+    if key.ndim != 3 or value.ndim != 3:
+      raise ValueError(
+          f"query of rank 3 [T, N, H] needs key and value of rank 3 [S, K, H], got {key.shape}, {value.shape}")
+    query, key, value = query[None], key[None], value[None]
+  checks.check_float_inputs(query, key, value, rank=4, layout="[B, T, N, H]")
+  b, t, n, h = query.shape
+  s = key.shape[1]
+  if key.shape[0] != b:
+    raise ValueError(f"query batch ({b}) and key/value batch ({key.shape[0]}) differ")
+
+  bias = None if bias is None else checks.broadcastable_4d(
+      "bias", bias[None] if unbatched and jnp.ndim(bias) == 3 else bias, (b, n, t, s), bool_dtype=False)
+  mask = None if mask is None else checks.broadcastable_4d(
+      "mask", mask[None] if unbatched and jnp.ndim(mask) == 3 else mask, (b, n, t, s), bool_dtype=True)
+  checks.check_segment_pair(query_segment_ids, key_value_segment_ids)
+
+  spec = checks.make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
+                          bottom_right=causal_alignment == "bottom_right",
+                          deterministic=bool(deterministic))
+  problem = P.from_padded(
+      spec, b, t, s, causal_alignment, query_seq_lengths, key_value_seq_lengths,
+      query_segment_ids, key_value_segment_ids, kernel_view=implementation != "xla",
+      max_segments=max_segments)
+  backend = _backends.choose_backend(implementation, spec, problem, query, key, bias=bias,
+                                     mask=mask)
+  out, lse = _run(spec, backend, query, key, value, bias, mask, problem)
+  if unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_lse else out
+
+
+def varlen_attention(
+    query,
+    key,
+    value,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    seqused_q=None,
+    seqused_k=None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    local_window_size: int | tuple[int, int] | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    implementation: str | None = None,
+    deterministic: bool = False,
+    block_k: int = 512,
+):
+  r"""Pad-safe attention over a packed (variable-length) batch.
+
+  ``query [total_q, N, H]``, ``key``/``value`` ``[total_k, K, H]``. Sequence ``b`` owns query rows
+  ``cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1`` and key rows ``cu_seqlens_k[b] .. cu_seqlens_k[b+1]-1``
+  (int32, length ``B+1``, non-decreasing). Optional ``seqused_q``/``seqused_k`` (int ``[B]``) say
+  how many leading rows of each sequence are used; the rest of the sequence, and every row at or
+  past ``cu_seqlens[-1]``, is padding: output 0, lse 0, zero gradients, never read.
+
+  ``max_seqlen_q``/``max_seqlen_k`` (static ints) bound the sequence lengths; the GPU kernels need
+  them to size their grid (default: ``total_q``/``total_k``; where that bound would launch mostly tiles
+  past short sequences, the Hopper kernels number only tiles inside sequences instead, so a loose bound
+  costs little there). A smaller bound raises ``ValueError``
+  when the offsets are concrete; under ``jit`` (traced offsets) the rows of a sequence past the bound
+  are padding, in every implementation. Positions used by the causal and
+  window masks are counted from each sequence's start. Returns ``out [total_q, N, H]`` and, with
+  ``return_lse=True``, ``lse [N, total_q]`` float32. Other arguments as in
+  :func:`dot_product_attention`.
+  """
+  checks.check_implementation(implementation)
+  checks.check_alignment(causal_alignment)
+  checks.check_flags(return_lse=return_lse, deterministic=deterministic)
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  checks.check_float_inputs(query, key, value, rank=3, layout="packed [total, N, H]")
+  total_q, n, h = query.shape
+  total_k = key.shape[0]
+
+  cu_q = checks.int_vector("cu_seqlens_q", cu_seqlens_q, None, what="int32 offsets, length B+1")
+  if cu_q.shape[0] < 1:
+    raise ValueError("cu_seqlens_q must have length B+1 >= 1")
+  nseq = cu_q.shape[0] - 1
+  cu_k = checks.int_vector("cu_seqlens_k", cu_seqlens_k, nseq + 1, what="int32 offsets, length B+1")
+  checks.cu_seqlens("cu_seqlens_q", cu_q, total_q)
+  checks.cu_seqlens("cu_seqlens_k", cu_k, total_k)
+  # Traced offsets are made safe: clamped into range and forced non-decreasing.
+  cu_q = lax.cummax(jnp.clip(cu_q, 0, total_q))
+  cu_k = lax.cummax(jnp.clip(cu_k, 0, total_k))
+  cap_q = cu_q[1:] - cu_q[:-1]
+  cap_k = cu_k[1:] - cu_k[:-1]
+  used_q = checks.seqused("seqused_q", seqused_q, nseq, cap_q)
+  used_k = checks.seqused("seqused_k", seqused_k, nseq, cap_k)
+
+  max_seqlen_q = checks.max_seqlen("max_seqlen_q", max_seqlen_q, total_q, cap_q)
+  max_seqlen_k = checks.max_seqlen("max_seqlen_k", max_seqlen_k, total_k, cap_k)
+  # Traced offsets cannot be checked against the bounds at trace time.  A longer sequence then has its
+  # rows past the bound treated as padding by every implementation alike (the kernels' grid stops at
+  # the bound), rather than computed by one implementation and dropped by another.
+  used_q = jnp.minimum(used_q, max_seqlen_q)
+  used_k = jnp.minimum(used_k, max_seqlen_k)
+
+  spec = checks.make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
+                          bottom_right=causal_alignment == "bottom_right",
+                          deterministic=bool(deterministic))
+  problem = P.from_packed(cu_q, cu_k, used_q, used_k, total_q, total_k, max_seqlen_q=max_seqlen_q,
+                          max_seqlen_k=max_seqlen_k, alignment=causal_alignment)
+  backend = _backends.choose_backend(implementation, spec, problem, query, key, bias=None,
+                                     mask=None)
+  out, lse = _run(spec, backend, query[None], key[None], value[None], None, None, problem)
+  out, lse = out[0], lse[0]
+  return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _run(spec, backend, q, k, v, bias, mask, problem):
+  # Jitted so that eager calls compile once per configuration (under an outer jit it is inlined).
+  # The pure-JAX path sanitises before any arithmetic: padded rows become exact zeros by select, and
+  # gradients flow back through the select, which routes exact zeros to the padded rows. The
+  # kernels need no such pass (three extra reads and writes of q/k/v, and three more of the
+  # gradients): they never compute from padded rows and zero the padded outputs themselves.
+  if not backend.reads_padding_safely:
+    q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
+  return vjp.attention(spec, backend, q, k, v, bias, mask, problem)
+
