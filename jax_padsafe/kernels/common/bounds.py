@@ -1,7 +1,32 @@
-"""Per-sequence lengths, visibility offsets and K-tile ranges (the tile scheduler's bounds)."""
+"""Per-sequence lengths, visibility offsets and the tile ranges a tile visits.
+
+`TileBounds` gathers what a kernel needs to know about one tile of one sequence, built once per tile by
+`query_tile` (a query tile: the key tiles it visits) or `key_tile` (a key tile: the query tiles that see it),
+in the manner of FlashAttention's SeqlenInfo / BlockInfo.  The pieces (`used_length`, `window_bounds`, ...)
+stay callable on their own for kernels that need only some of them.
+"""
+
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
+
+
+class TileBounds(NamedTuple):
+    """One tile of one sequence.  Key j is visible to query i iff 0 <= j < k_len and
+    i + off - left <= j <= i + off + right (`window_bounds`); [lo, hi) are the tiles of the other side that hold
+    at least one visible pair (key tiles of a query tile, query tiles of a key tile); `slot` is the slot length
+    of the tile's own side (the rows it writes, zeros past its valid length)."""
+    q_start: cutlass.Int32
+    q_len: cutlass.Int32
+    k_start: cutlass.Int32
+    k_len: cutlass.Int32
+    slot: cutlass.Int32
+    off: cutlass.Int32
+    left: cutlass.Int32
+    right: cutlass.Int32
+    lo: cutlass.Int32
+    hi: cutlass.Int32
 
 
 @cute.jit
@@ -121,3 +146,28 @@ def m_block_range(
         m_max = (m_hi + block_m - 1) // block_m
     return m_min, m_max
 
+
+@cute.jit
+def query_tile(cu_q: cute.Tensor, cu_k: cute.Tensor, used_q: cute.Tensor, used_k: cute.Tensor,
+               window_left: cutlass.Int32, window_right: cutlass.Int32, bottom_right: cutlass.Int32,
+               batch: cutlass.Int32, m_block: cutlass.Int32, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr):
+    """TileBounds of query tile m_block of sequence `batch` (slot: its query slot; [lo, hi): the key tiles)."""
+    q_start, q_len = used_length(cu_q, used_q, batch)
+    q_slot = slot_length(cu_q, batch)
+    k_start, k_len = used_length(cu_k, used_k, batch)
+    off, left, right = window_bounds(q_len, k_len, window_left, window_right, bottom_right)
+    n_min, n_max = n_block_range(m_block, block_m, block_n, q_len, k_len, off, left, right)
+    return TileBounds(q_start, q_len, k_start, k_len, q_slot, off, left, right, n_min, n_max)
+
+
+@cute.jit
+def key_tile(cu_q: cute.Tensor, cu_k: cute.Tensor, used_q: cute.Tensor, used_k: cute.Tensor,
+             window_left: cutlass.Int32, window_right: cutlass.Int32, bottom_right: cutlass.Int32,
+             batch: cutlass.Int32, n_block: cutlass.Int32, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr):
+    """TileBounds of key tile n_block of sequence `batch` (slot: its key slot; [lo, hi): the query tiles)."""
+    k_start, k_len = used_length(cu_k, used_k, batch)
+    k_slot = slot_length(cu_k, batch)
+    q_start, q_len = used_length(cu_q, used_q, batch)
+    off, left, right = window_bounds(q_len, k_len, window_left, window_right, bottom_right)
+    m_min, m_max = m_block_range(n_block, block_m, block_n, q_len, k_len, off, left, right)
+    return TileBounds(q_start, q_len, k_start, k_len, k_slot, off, left, right, m_min, m_max)

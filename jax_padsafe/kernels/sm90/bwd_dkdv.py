@@ -243,47 +243,33 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
                                      mma_kv, copy_out, score_mul, cap_mul, dscale, seqs, queue, slots, sched, out_tiles)
         else:
             n_block, head_kv, batch = cute.arch.block_idx()
-            k_start, k_len, k_slot, q_start, q_len, off, left, right, m_min, m_max = self.key_bounds(batch, n_block,
-                                                                                                      seqs)
-            n_m = m_max - m_min
+            tb = bounds.key_tile(*seqs, batch, n_block, BM, BN)
+            n_m = tb.hi - tb.lo
             total = group * n_m
             n0 = n_block * BN
             # A key tile past k_len, or one no valid query sees: dK = dV = 0; the CTA writes the zeros of its rows
             # up to the slot end (the handler's memset may have done so already) and computes nothing.
-            if n0 < k_len and total > 0:
+            if n0 < tb.k_len and total > 0:
                 if warp_idx < 4:
                     cute.arch.setmaxregister_decrease(self.producer_regs)
                     if warp_idx == 0:
                         self.produce_tile(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q,
                                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages),
-                                          n_block, head_kv, group, n_m, m_min, total, q_start, k_start, True)
+                                          n_block, head_kv, group, n_m, tb.lo, total, tb.q_start, tb.k_start, True)
                 else:
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                     self.consume(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv,
-                                 copy_out, score_mul, cap_mul, dscale, n_block, None, head_kv, group, n_m, m_min, total,
-                                 q_start, q_len, k_start, k_len, k_slot, off, left, right,
+                                 copy_out, score_mul, cap_mul, dscale, n_block, None, head_kv, group, n_m, total, tb,
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages), False)
             else:
                 tidx, _, _ = cute.arch.thread_idx()
                 if tidx < self.num_consumer_threads:
                     for out in (mdK, mdV):
-                        g = cute.local_tile(cute.domain_offset((k_start, 0), out[None, head_kv, None]), (BN, HD),
+                        g = cute.local_tile(cute.domain_offset((tb.k_start, 0), out[None, head_kv, None]), (BN, HD),
                                             (n_block, 0))
-                        sc.zero_rows_global(self.dtype, BN, HD, copy_out, g, n0, k_slot, tidx)
-
-    @cute.jit
-    def key_bounds(self, batch, n_block, seqs):
-        """(k_start, k_len, k_slot, q_start, q_len, off, left, right, m_min, m_max) of key tile n_block of
-        sequence `batch`: the rows it covers and the query tiles that see it."""
-        mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right = seqs
-        k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
-        k_slot = bounds.slot_length(mCuK, batch)
-        q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
-        off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
-        m_min, m_max = bounds.m_block_range(n_block, self.block_m, self.block_n, q_len, k_len, off, left, right)
-        return k_start, k_len, k_slot, q_start, q_len, off, left, right, m_min, m_max
+                        sc.zero_rows_global(self.dtype, BN, HD, copy_out, g, n0, tb.slot, tidx)
 
     @cute.jit
     def produce_tile(self, tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, state_kv, state, n_block, head_kv, group, n_m,
@@ -357,7 +343,8 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         state_tile = tile_queue.producer_state()
         total_tiles = per_head * heads_kv
         lin, batch, n_block, head_kv = self.claim_key_tile(queue, seqs, sched)
-        k_start, k_len, k_slot, q_start, _, _, _, _, m_min, m_max = self.key_bounds(batch, n_block, seqs)
+        q_start, _, k_start, k_len, k_slot, _, _, _, m_min, m_max = bounds.key_tile(*seqs, batch, n_block,
+                                                                                    self.block_m, self.block_n)
         state_tile = tile_queue.publish(queue, state_tile, (lin, batch, n_block, head_kv, k_start, k_len, k_slot,
                                                                 cutlass.Int32(0)))
         while lin < total_tiles:
@@ -366,7 +353,8 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
                 state_kv, state = self.produce_tile(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, state_kv, state, n_block,
                                                     head_kv, group, n_m, m_min, group * n_m, q_start, k_start, False)
             lin, batch, n_block, head_kv = self.claim_key_tile(queue, seqs, sched)
-            k_start, k_len, k_slot, q_start, _, _, _, _, m_min, m_max = self.key_bounds(batch, n_block, seqs)
+            q_start, _, k_start, k_len, k_slot, _, _, _, m_min, m_max = bounds.key_tile(*seqs, batch, n_block,
+                                                                                        self.block_m, self.block_n)
             state_tile = tile_queue.publish(queue, state_tile, (lin, batch, n_block, head_kv, k_start, k_len, k_slot,
                                                                 cutlass.Int32(0)))
 
@@ -393,20 +381,18 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
             # (sequence, key tile, kv head, k_start, k_len, k_slot, 0) of the held slot (`key_tile`,
             # `epilogue_rows`).
             slot = cute.make_tensor(slots.iterator + (state_tile.index * 8 + 1), cute.make_layout(7))
-            k_start, k_len, k_slot, q_start, q_len, off, left, right, m_min, m_max = self.key_bounds(batch, n_block,
-                                                                                                      seqs)
-            n_m = m_max - m_min
+            tb = bounds.key_tile(*seqs, batch, n_block, self.block_m, BN)
+            n_m = tb.hi - tb.lo
             n0 = n_block * BN
-            if n0 < k_len and n_m > 0:
+            if n0 < tb.k_len and n_m > 0:
                 state_kv, state = self.consume(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK,
                                                mdV, mma_s, mma_kv, copy_out, score_mul, cap_mul, dscale, n_block,
-                                               slot, head_kv, group, n_m, m_min, group * n_m, q_start, q_len,
-                                               k_start, k_len, k_slot, off, left, right, state_kv, state, True,
+                                               slot, head_kv, group, n_m, group * n_m, tb, state_kv, state, True,
                                                out_tiles)
             else:
                 for out in (mdK, mdV):
-                    g = cute.local_tile(cute.domain_offset((k_start, 0), out[None, head_kv, None]), (BN, HD),
+                    g = cute.local_tile(cute.domain_offset((tb.k_start, 0), out[None, head_kv, None]), (BN, HD),
                                         (n_block, 0))
-                    sc.zero_rows_global(self.dtype, BN, HD, copy_out, g, n0, k_slot, tidx)
+                    sc.zero_rows_global(self.dtype, BN, HD, copy_out, g, n0, tb.slot, tidx)
             state_tile = tile_queue.release(queue, state_tile)
             lin = tile_queue.peek(queue, state_tile)

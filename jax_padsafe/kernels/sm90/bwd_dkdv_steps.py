@@ -15,13 +15,14 @@ class DKDVSteps:
 
     @cute.jit
     def consume(self, sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv,
-                copy_out, score_mul, cap_mul, dscale, n_block, slot, head_kv, group, n_m, m_min, total, q_start,
-                q_len, k_start, k_len, k_slot, off, left, right, state_kv, state,
+                copy_out, score_mul, cap_mul, dscale, n_block, slot, head_kv, group, n_m, total, tb, state_kv, state,
                 release_kv: cutlass.Constexpr, out_tiles=None):
-        """The consumers' part of one key tile; returns the advanced pipeline states.  `release_kv`: free the
-        K / V stage for the next tile: right after the last step's GEMMs where `out_tiles` (two staging tiles of
+        """The consumers' part of one key tile (`tb`: its bounds.TileBounds; `total` = group x n_m steps, one per
+        query head of the group and query tile that sees the key tile); returns the advanced pipeline states.
+        `release_kv`: free the K / V stage for the next tile: right after the last step's GEMMs where `out_tiles` (two staging tiles of
         sK's layout) take dK / dV, else once the epilogue, staged through sK / sV, has read them."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        q_start, q_len, k_start, k_len, k_slot, off, left, right, m_min, _ = tb
         dt = self.dtype
         tidx_all, _, _ = cute.arch.thread_idx()
         tidx = tidx_all - 128

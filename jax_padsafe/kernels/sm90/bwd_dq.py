@@ -185,13 +185,12 @@ class BwdDQSm90(Sm90BwdBase):
             # Highest query tiles first: under causal masks they visit the most key tiles (the order of CTAs
             # changes no bit of any result).
             m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
-            q_start, q_len, q_slot, k_start, k_len, off, left, right, n_min, n_max = self.tile_bounds(
-                batch, m_block, seqs)
+            tb = bounds.query_tile(*seqs, batch, m_block, BM, self.block_n)
             head_kv = head // group
             m0 = m_block * BM
             # A query tile past q_len, or one whose queries see no key: dQ = 0, written for the tile's rows up
             # to the slot end (the handler's memset may have done so already); nothing is computed.
-            if m0 < q_len and n_max > n_min:
+            if m0 < tb.q_len and tb.hi > tb.lo:
                 if warp_idx < 4:
                     cute.arch.setmaxregister_decrease(self.producer_regs)
                     if warp_idx == 0:
@@ -199,33 +198,20 @@ class BwdDQSm90(Sm90BwdBase):
                                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                                        self.num_stages),
-                                          m_block, head, head_kv, q_start, k_start, n_min, n_max)
+                                          m_block, head, head_kv, tb.q_start, tb.k_start, tb.lo, tb.hi)
                 else:
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                     self.consume(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
-                                 score_mul, cap_mul, dscale, m_block, head, q_start, q_len, q_slot, k_len, off, left,
-                                 right, n_min, n_max,
+                                 score_mul, cap_mul, dscale, m_block, head, tb,
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages),
                                  False)
             else:
                 tidx, _, _ = cute.arch.thread_idx()
                 if tidx < self.num_consumer_threads:
-                    gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD),
+                    gdQ = cute.local_tile(cute.domain_offset((tb.q_start, 0), mdQ[None, head, None]), (BM, HD),
                                           (m_block, 0))
-                    sc.zero_rows_global(self.dtype, BM, HD, copy_out, gdQ, m0, q_slot, tidx)
-
-    @cute.jit
-    def tile_bounds(self, batch, m_block, seqs):
-        """(q_start, q_len, q_slot, k_start, k_len, off, left, right, n_min, n_max) of query tile m_block of
-        sequence `batch`: the rows it covers and the key tiles it visits."""
-        mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right = seqs
-        q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
-        q_slot = bounds.slot_length(mCuQ, batch)
-        k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
-        off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
-        n_min, n_max = bounds.n_block_range(m_block, self.block_m, self.block_n, q_len, k_len, off, left, right)
-        return q_start, q_len, q_slot, k_start, k_len, off, left, right, n_min, n_max
+                    sc.zero_rows_global(self.dtype, BM, HD, copy_out, gdQ, m0, tb.slot, tidx)
 
     @cute.jit
     def produce_tile(self, tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, state_q, state, m_block, head, head_kv, q_start,
@@ -291,10 +277,10 @@ class BwdDQSm90(Sm90BwdBase):
         lin, batch, m_block, head = self.claim_query_tile(queue, seqs, sched)
         state_tile = tile_queue.publish(queue, state_tile, (lin, batch, m_block, head))
         while lin < total:
-            q_start, q_len, _, k_start, _, _, _, _, n_min, n_max = self.tile_bounds(batch, m_block, seqs)
-            if m_block * self.block_m < q_len and n_max > n_min:
+            tb = bounds.query_tile(*seqs, batch, m_block, self.block_m, self.block_n)
+            if m_block * self.block_m < tb.q_len and tb.hi > tb.lo:
                 state_q, state = self.produce_tile(tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, state_q, state, m_block,
-                                                   head, head // group, q_start, k_start, n_min, n_max)
+                                                   head, head // group, tb.q_start, tb.k_start, tb.lo, tb.hi)
             lin, batch, m_block, head = self.claim_query_tile(queue, seqs, sched)
             state_tile = tile_queue.publish(queue, state_tile, (lin, batch, m_block, head))
 
@@ -317,26 +303,27 @@ class BwdDQSm90(Sm90BwdBase):
             m_block = tile_queue.field(queue, state_tile, 2)
             head = tile_queue.field(queue, state_tile, 3)
             state_tile = tile_queue.release(queue, state_tile)
-            q_start, q_len, q_slot, _, k_len, off, left, right, n_min, n_max = self.tile_bounds(batch, m_block, seqs)
+            tb = bounds.query_tile(*seqs, batch, m_block, BM, self.block_n)
             m0 = m_block * BM
-            if m0 < q_len and n_max > n_min:
+            if m0 < tb.q_len and tb.hi > tb.lo:
                 state_q, state = self.consume(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q,
-                                              copy_out, score_mul, cap_mul, dscale, m_block, head, q_start, q_len,
-                                              q_slot, k_len, off, left, right, n_min, n_max, state_q, state, True,
-                                              sOut)
+                                              copy_out, score_mul, cap_mul, dscale, m_block, head, tb, state_q, state,
+                                              True, sOut)
             else:
-                gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
-                sc.zero_rows_global(self.dtype, BM, HD, copy_out, gdQ, m0, q_slot, tidx)
+                gdQ = cute.local_tile(cute.domain_offset((tb.q_start, 0), mdQ[None, head, None]), (BM, HD),
+                                      (m_block, 0))
+                sc.zero_rows_global(self.dtype, BM, HD, copy_out, gdQ, m0, tb.slot, tidx)
             lin = tile_queue.peek(queue, state_tile)
 
     @cute.jit
     def consume(self, sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out, score_mul,
-                cap_mul, dscale, m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max,
-                state_q, state, release_q: cutlass.Constexpr, sOut=None):
-        """The consumers' part of one query tile; returns the advanced pipeline states.  `release_q`: free the
+                cap_mul, dscale, m_block, head, tb, state_q, state, release_q: cutlass.Constexpr, sOut=None):
+        """The consumers' part of one query tile (`tb`: its bounds.TileBounds); returns the advanced pipeline
+        states.  `release_q`: free the
         Q / dO stage for the next tile: right after the last step's GEMMs where `sOut` (a staging tile of sQ's
         layout) takes dQ, else once the epilogue, staged through sQ, has read it."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        q_start, q_len, _, k_len, q_slot, off, left, right, n_min, n_max = tb
         dt = self.dtype
         tidx_all, _, _ = cute.arch.thread_idx()
         tidx = tidx_all - 128
