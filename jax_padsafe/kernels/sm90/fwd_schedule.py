@@ -8,13 +8,39 @@ claims tiles from a counter and publishes each one decoded in a slot of the tile
 which the consumers read (`published_info`).  `tile_info_lin` decodes a linear tile number for both.
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 
 from ..common import bounds, tile_queue, tile_schedule
 
-# Values of a tile-queue slot (compact schedule): the tile number, then tile_info's 15 values.
-SLOT_VALUES = 16
+
+class FwdTile(NamedTuple):
+    """One query tile of the forward's schedule, decoded once per tile (`tile_info`): which tile it is, its
+    sequence's bounds, the key tiles [n_min, n_max) it visits.  `present` is False for a tile past the grid
+    (`in_grid` False) or wholly past its sequence's valid length (nothing to compute: the consumers write its
+    rows up to the slot end `q_slot` as zeros, lse is pre-zeroed).  The compact kernel's queue publishes these
+    15 values, in this order, after the tile number."""
+    present: cutlass.Boolean
+    m_block: cutlass.Int32
+    head: cutlass.Int32
+    head_kv: cutlass.Int32
+    q_start: cutlass.Int32
+    q_len: cutlass.Int32
+    k_start: cutlass.Int32
+    k_len: cutlass.Int32
+    off: cutlass.Int32
+    left: cutlass.Int32
+    right: cutlass.Int32
+    n_min: cutlass.Int32
+    n_max: cutlass.Int32
+    in_grid: cutlass.Boolean
+    q_slot: cutlass.Int32
+
+
+# Values of a tile-queue slot (compact schedule): the tile number, then the tile's FwdTile.
+SLOT_VALUES = 1 + len(FwdTile._fields)
 
 
 class FwdTileSchedule:
@@ -58,11 +84,8 @@ class FwdTileSchedule:
 
     @cute.jit
     def tile_info(self, j: cutlass.Int32, sched):
-        """(present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min, n_max,
-        in_grid, q_slot) of this CTA's j-th tile; present is False for a tile past the grid (in_grid False) or
-        wholly past its sequence's valid length (nothing to compute: the consumers write its rows up to the
-        slot end q_slot as zeros, lse is pre-zeroed).  Producer and consumers derive the same sequence of
-        tiles from it (the compact kernel's queue: tile_info_lin of the claimed numbers)."""
+        """The FwdTile of this CTA's j-th tile.  Producer and consumers derive the same sequence of tiles from it
+        (the compact kernel's queue: tile_info_lin of the claimed numbers)."""
         bid, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         # Snake order: even j walk the tiles forward, odd j backward, so with the m-block fastest in the
@@ -77,7 +100,7 @@ class FwdTileSchedule:
 
     @cute.jit
     def tile_info_lin(self, lin: cutlass.Int32, sched):
-        """tile_info of the tile with linear number `lin` (below the schedule's tile count, or a tile past
+        """The FwdTile of the tile with linear number `lin` (below the schedule's tile count, or a tile past
         the grid: in_grid False)."""
         BM, BN = self.block_m, self.block_n
         (n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
@@ -110,8 +133,8 @@ class FwdTileSchedule:
         off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
         n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
         head_kv = head // (num_heads // num_kv_heads)
-        return (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min, n_max,
-                in_grid, q_slot)
+        return FwdTile(present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
+                       n_max, in_grid, q_slot)
 
     def queue_length(self, sched):
         """The compact schedule's tile count (compact tiles per head x heads): claims at or past it end."""
@@ -120,23 +143,23 @@ class FwdTileSchedule:
     @cute.jit
     def claim_published(self, queue, state_tile, sched):
         """Producer warp: claim tile numbers until one names a tile inside its sequence's slot (a hole of the
-        compact schedule, tile_schedule.compact_tile, needs nothing: skipped here, so the consumers never see one) or
-        the end, and publish it with its tile_info for the consumers, who then need no search or length loads
-        of their own at a tile's start.  Returns (number, tile_info, slot state)."""
+        compact schedule, tile_schedule.compact_tile, needs nothing: skipped here, so the consumers never see
+        one) or the end, and publish it with its FwdTile for the consumers, who then need no search or length
+        loads of their own at a tile's start.  Returns (number, FwdTile, slot state)."""
         total = self.queue_length(sched)
         lin = tile_queue.take(queue)
         info = self.tile_info_lin(lin, sched)
-        hole = (lin < total) & (info[1] * self.block_m >= info[14])
+        hole = (lin < total) & (info.m_block * self.block_m >= info.q_slot)
         while hole:
             lin = tile_queue.take(queue)
             info = self.tile_info_lin(lin, sched)
-            hole = (lin < total) & (info[1] * self.block_m >= info[14])
+            hole = (lin < total) & (info.m_block * self.block_m >= info.q_slot)
         values = (lin,) + tuple(cutlass.Int32(x) for x in info)
         state_tile = tile_queue.publish(queue, state_tile, values)
         return lin, info, state_tile
 
     @cute.jit
     def published_info(self, queue, state_tile):
-        """Consumer thread: the tile_info that the producer published in the held slot `state_tile`."""
+        """Consumer thread: the FwdTile that the producer published in the held slot `state_tile`."""
         v = tuple(tile_queue.field(queue, state_tile, 1 + i) for i in range(SLOT_VALUES - 1))
-        return (v[0] != 0,) + v[1:13] + (v[13] != 0, v[14])
+        return FwdTile(v[0] != 0, *v[1:13], v[13] != 0, v[14])
