@@ -446,7 +446,7 @@ def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
         def compute(o_a, lse_a, qa=qa, qsa=qsa, qpa=qpa, kb=kb, vb=vb, ksb=ksb, kpb=kpb):
           o_b, lse_b = _block_forward(cfg, qa, kb, vb, qsa, ksb, qpa, kpb)
           # Padded query rows report lse 0: for the merge they saw nothing.
-          lse_b = jnp.where((qsa >= 0)[:, None, :], lse_b, _F32(-jnp.inf))
+          lse_b = jnp.where(visibility.row_is_valid(qsa)[:, None, :], lse_b, _F32(-jnp.inf))
           return _merge(o_a, lse_a, o_b.astype(_F32), lse_b)
 
         if cfg.skip:
@@ -459,7 +459,7 @@ def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
 
   o = jnp.concatenate(o_acc, axis=1) if nsub > 1 else o_acc[0]
   lse = jnp.concatenate(lse_acc, axis=2) if nsub > 1 else lse_acc[0]
-  lse = jnp.where((q_seg >= 0)[:, None, :], lse, _F32(0))  # padded rows: lse exactly 0
+  lse = jnp.where(visibility.row_is_valid(q_seg)[:, None, :], lse, _F32(0))  # padded rows: lse exactly 0
   return o.astype(dtype), lse
 
 
@@ -549,8 +549,8 @@ def _block_route(cfg, q_seg, k_seg, q_pos, k_pos):
   _, exact_causal = P.runs_from_segments(q_seg, k_seg, q_pos, k_pos, max_runs=cfg.max_runs,
                                                 positional=True, bottom_right=False)
   big = jnp.int32(_BIG)
-  kmax = jnp.max(jnp.where(k_seg >= 0, k_pos, -big))
-  qmin = jnp.min(jnp.where(q_seg >= 0, q_pos, big))
+  kmax = jnp.max(jnp.where(visibility.row_is_valid(k_seg), k_pos, -big))
+  qmin = jnp.min(jnp.where(visibility.row_is_valid(q_seg), q_pos, big))
   branch = jnp.where(exact & (kmax <= qmin), _KERNEL_FULL,
                      jnp.where(exact_causal, _KERNEL_CAUSAL, _PURE_JAX))
   return branch, runs
@@ -772,7 +772,7 @@ def _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
       else:
         o_acc, lse_acc = _merge(o_acc, lse_acc, o_b, lse_b)
     held = held_next
-  lse = jnp.where((q_seg >= 0)[:, None, :], lse_acc, _F32(0))  # padded rows: lse exactly 0
+  lse = jnp.where(visibility.row_is_valid(q_seg)[:, None, :], lse_acc, _F32(0))  # padded rows: lse exactly 0
   o = visibility.zero_invalid_rows(o_acc, q_seg)
   return o.astype(q.dtype), lse
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_padsafe._core import checks
+from jax_padsafe._core import visibility
 from jax_padsafe._core.spec import AttentionSpec
 
 # Runs per batch row assumed for traced segment ids when the caller gives no bound (see
@@ -245,7 +246,7 @@ def packed_view(runs: Runs, t: int, s: int) -> SeqLens:
 def count_runs(seg):
   """Runs of one non-negative id per batch row of canonical segments ``seg [B, T]`` (-1 = padding)."""
   prev = jnp.concatenate([jnp.full(seg.shape[:1] + (1,), -1, seg.dtype), seg[:, :-1]], axis=1)
-  return ((seg >= 0) & (seg != prev)).sum(axis=1)
+  return (visibility.row_is_valid(seg) & (seg != prev)).sum(axis=1)
 
 
 def runs_from_segments(q_seg, k_seg, q_pos, k_pos, *, max_runs: int, positional: bool,
@@ -272,7 +273,7 @@ def runs_from_segments(q_seg, k_seg, q_pos, k_pos, *, max_runs: int, positional:
   r_slots = max(int(max_runs), 1)
   rows_q = jnp.arange(t, dtype=jnp.int32)
   prev = jnp.concatenate([jnp.full((b, 1), -1, q_seg.dtype), q_seg[:, :-1]], axis=1)
-  is_start = (q_seg >= 0) & (q_seg != prev)
+  is_start = visibility.row_is_valid(q_seg) & (q_seg != prev)
   n_runs = is_start.sum(axis=1)
   # Start rows of the runs, ascending; missing slots hold t (an empty run at the row's end).
   starts = jnp.sort(jnp.where(is_start, rows_q[None, :], t), axis=1)
@@ -288,7 +289,7 @@ def runs_from_segments(q_seg, k_seg, q_pos, k_pos, *, max_runs: int, positional:
   # A run is the id's rows from its start up to the next start (rows in between are padding), so
   # its length is its rows counted by run index; the id is contiguous iff that is all its rows.
   run_index = jnp.cumsum(is_start, axis=1) - 1
-  in_run = (run_index[:, :, None] == slot[:, None, :]) & (q_seg >= 0)[:, :, None]
+  in_run = (run_index[:, :, None] == slot[:, None, :]) & visibility.row_is_valid(q_seg)[:, :, None]
   q_used = jnp.where(live, in_run.sum(axis=1), 0).astype(jnp.int32)
   q_total = (q_seg[:, None, :] == run_id[:, :, None]).sum(axis=2)
   exact = jnp.all(n_runs <= r_slots) & jnp.all(~live | (q_total == q_used))

@@ -129,10 +129,11 @@ def unsupported_reason(*, dtype, head_dim, num_heads, num_kv_heads, causal, wind
                        head_dim_v=None, has_bias=False, direction: str = "forward"):
   """None if the kernels of ``direction`` support this static combination, else a sentence why not."""
   del causal, window  # every variant has them
-  what = "forward kernel" if direction == "forward" else "backward kernels"
+  # "the CuTe forward kernel supports ..." / "the CuTe backward kernels support ..."
+  what, verb = ("forward kernel", "supports") if direction == "forward" else ("backward kernels", "support")
   dt = jnp.dtype(dtype)
   if dt not in DTYPE_CODES:
-    return f"the CuTe {what} support{'s' if direction == 'forward' else ''} bfloat16 and float16 inputs, not {dt}"
+    return f"the CuTe {what} {verb} bfloat16 and float16 inputs, not {dt}"
   if head_dim_v is not None and head_dim_v != head_dim:
     return f"the CuTe {what} needs the same head dim for V as for Q/K (got {head_dim} and {head_dim_v})"
   if has_bias:
@@ -140,7 +141,7 @@ def unsupported_reason(*, dtype, head_dim, num_heads, num_kv_heads, causal, wind
   if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
     return f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
   if num_heads > 65535:
-    return f"the CuTe {what} support{'s' if direction == 'forward' else ''} at most 65535 query heads"
+    return f"the CuTe {what} {verb} at most 65535 query heads"
   if softcap is not None and softcap < 0:
     return "softcap must be >= 0"
   available = library_available() if direction == "forward" else backward_available()
@@ -155,5 +156,5 @@ def unsupported_reason(*, dtype, head_dim, num_heads, num_kv_heads, causal, wind
       return (f"the built CuTe {kernels} have no {dt} variant for head dim {head_dim}"
               f"{' with softcap' if cap else ''} (built: {dims})")
   elif head_dim not in DEFAULT_HEAD_DIMS:
-    return f"the CuTe {what} support{'s' if direction == 'forward' else ''} head dims {DEFAULT_HEAD_DIMS}, not {head_dim}"
+    return f"the CuTe {what} {verb} head dims {DEFAULT_HEAD_DIMS}, not {head_dim}"
   return None
