@@ -17,7 +17,7 @@ from jax import lax
 
 from jax_padsafe import _backends
 from jax_padsafe._core import checks
-from jax_padsafe._core import problem as P
+from jax_padsafe._core import problem as canonical
 from jax_padsafe._core import visibility
 from jax_padsafe._core import vjp
 
@@ -111,7 +111,7 @@ def dot_product_attention(
   spec = checks.make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
                           bottom_right=causal_alignment == "bottom_right",
                           deterministic=bool(deterministic))
-  problem = P.from_padded(
+  problem = canonical.from_padded(
       spec, b, t, s, causal_alignment, query_seq_lengths, key_value_seq_lengths,
       query_segment_ids, key_value_segment_ids, kernel_view=implementation != "xla",
       max_segments=max_segments)
@@ -196,8 +196,9 @@ def varlen_attention(
   spec = checks.make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
                           bottom_right=causal_alignment == "bottom_right",
                           deterministic=bool(deterministic))
-  problem = P.from_packed(cu_q, cu_k, used_q, used_k, total_q, total_k, max_seqlen_q=max_seqlen_q,
-                          max_seqlen_k=max_seqlen_k, alignment=causal_alignment)
+  problem = canonical.from_packed(cu_q, cu_k, used_q, used_k, total_q, total_k,
+                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                  alignment=causal_alignment)
   backend = _backends.choose_backend(implementation, spec, problem, query, key, bias=None,
                                      mask=None)
   out, lse = _run(spec, backend, query[None], key[None], value[None], None, None, problem)

@@ -36,7 +36,7 @@ from jax_padsafe._backends.cute import backend as cute
 from jax_padsafe._backends.cute import backward as cute_backward
 from jax_padsafe._backends.cute import forward as cute_forward
 from jax_padsafe._core import checks
-from jax_padsafe._core import problem as P
+from jax_padsafe._core import problem as canonical
 from jax_padsafe._core import visibility
 
 __all__ = ["ring_attention", "zigzag_permute", "zigzag_unpermute", "zigzag_indices"]
@@ -233,9 +233,9 @@ def ring_attention(
     rows_q = jnp.asarray(zigzag_indices(t, num))[None, :]
     rows_k = jnp.asarray(zigzag_indices(s, num))[None, :]
   # The chunk pairs get their kernel view (runs) on each device, so none is built here.
-  problem = P.from_padded(spec, b, t, s, causal_alignment, query_seq_lengths,
-                          key_value_seq_lengths, query_segment_ids, key_value_segment_ids,
-                          kernel_view=False, positions=(rows_q, rows_k))
+  problem = canonical.from_padded(spec, b, t, s, causal_alignment, query_seq_lengths,
+                                  key_value_seq_lengths, query_segment_ids, key_value_segment_ids,
+                                  kernel_view=False, positions=(rows_q, rows_k))
   checks.check_implementation(implementation)
   kernel_fwd, kernel_bwd = _ring_kernels(implementation, spec, query, key)
   max_runs = 1
@@ -248,7 +248,7 @@ def ring_attention(
       prev = np.concatenate([np.full(ids.shape[:1] + (1,), -1), ids[:, :-1]], axis=1)
       max_runs = int(np.max(((ids >= 0) & (ids != prev)).sum(axis=1), initial=1))
     else:
-      max_runs = P.DEFAULT_TRACED_MAX_RUNS
+      max_runs = canonical.DEFAULT_TRACED_MAX_RUNS
     max_runs = max(1, min(max_runs, t // (num * nsub)))
   grouped = _grouped_eligible(spec, t, s, query_segment_ids is not None,
                               causal_alignment == "bottom_right")
@@ -542,12 +542,13 @@ def _block_route(cfg, q_seg, k_seg, q_pos, k_pos):
   queries as a fully visible pair (non-causal kernel), and a diagonal pair whose query and key runs
   start at the same position with the causal kernel; anything else runs on the pure-JAX block.
   """
-  runs, exact = P.runs_from_segments(q_seg, k_seg, q_pos, k_pos, max_runs=cfg.max_runs,
-                                            positional=False, bottom_right=False)
+  runs, exact = canonical.runs_from_segments(q_seg, k_seg, q_pos, k_pos, max_runs=cfg.max_runs,
+                                             positional=False, bottom_right=False)
   if not cfg.spec.causal:
     return jnp.where(exact, _KERNEL_FULL, _PURE_JAX), runs
-  _, exact_causal = P.runs_from_segments(q_seg, k_seg, q_pos, k_pos, max_runs=cfg.max_runs,
-                                                positional=True, bottom_right=False)
+  _, exact_causal = canonical.runs_from_segments(q_seg, k_seg, q_pos, k_pos,
+                                                 max_runs=cfg.max_runs, positional=True,
+                                                 bottom_right=False)
   big = jnp.int32(_BIG)
   kmax = jnp.max(jnp.where(visibility.row_is_valid(k_seg), k_pos, -big))
   qmin = jnp.min(jnp.where(visibility.row_is_valid(q_seg), q_pos, big))
@@ -692,7 +693,7 @@ def _grouped_runs(spans, q_valid, k_valid, tq):
   k_used = jnp.clip(k_valid[:, None] - k_start[None], 0,
                     jnp.stack([i32(hi) - i32(lo) for _, _, lo, hi in spans])[None])
   b = q_valid.shape[0]
-  runs = P.Runs(jnp.broadcast_to(q_start[None], (b, len(spans))), q_used.astype(jnp.int32),
+  runs = canonical.Runs(jnp.broadcast_to(q_start[None], (b, len(spans))), q_used.astype(jnp.int32),
                        jnp.broadcast_to(k_start[None], (b, len(spans))), k_used.astype(jnp.int32))
 
   def run_id(start, used, rows):

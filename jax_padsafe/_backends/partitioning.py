@@ -40,7 +40,7 @@ import math
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_padsafe._core import problem as _problem
+from jax_padsafe._core import problem as canonical
 
 __all__ = ["partition_packed_forward", "partition_padded_forward", "partition_runs_forward",
            "partition_packed_backward", "partition_runs_backward", "packed_to_padded",
@@ -98,7 +98,7 @@ def packed_to_padded(packed_fn):
 
   @functools.wraps(packed_fn)
   def padded(q, k, v, q_len, kv_len, **static):
-    return runs_fn(q, k, v, *_problem.runs_from_lengths(q_len, kv_len), **static)
+    return runs_fn(q, k, v, *canonical.runs_from_lengths(q_len, kv_len), **static)
 
   return padded
 
@@ -114,7 +114,7 @@ def packed_to_runs(packed_fn):
   def padded(q, k, v, q_start, q_used, k_start, k_used, **static):
     b, t, n, h = q.shape
     s, nk = k.shape[1], k.shape[2]
-    view = _problem.packed_view(_problem.Runs(q_start, q_used, k_start, k_used), t, s)
+    view = canonical.packed_view(canonical.Runs(q_start, q_used, k_start, k_used), t, s)
     o, lse = packed_fn(
         q.reshape(b * t, n, h), k.reshape(b * s, nk, k.shape[-1]), v.reshape(b * s, nk, v.shape[-1]),
         *view, **static)
@@ -135,7 +135,7 @@ def packed_backward_to_runs(packed_bwd):
   def padded(q, k, v, o, lse, do, dlse, q_start, q_used, k_start, k_used, **static):
     b, t, n, h = q.shape
     s = k.shape[1]
-    view = _problem.packed_view(_problem.Runs(q_start, q_used, k_start, k_used), t, s)
+    view = canonical.packed_view(canonical.Runs(q_start, q_used, k_start, k_used), t, s)
     flat = lambda x, rows: x.reshape((b * rows,) + x.shape[2:])
     dq, dk, dv = packed_bwd(
         flat(q, t), flat(k, s), flat(v, s), flat(o, t), _batch_to_rows(lse), flat(do, t),

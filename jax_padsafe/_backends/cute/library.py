@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 
@@ -158,3 +160,40 @@ def unsupported_reason(*, dtype, head_dim, num_heads, num_kv_heads, causal, wind
   elif head_dim not in DEFAULT_HEAD_DIMS:
     return f"the CuTe {what} {verb} head dims {DEFAULT_HEAD_DIMS}, not {head_dim}"
   return None
+
+
+def check_operands(caller: str, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *,
+                   max_seqlen_q, max_seqlen_k, scale, softcap):
+  """The operand checks that ``flash_forward`` and ``flash_backward`` share (errors name ``caller``).
+
+  Returns ``(total_q, num_heads, head_dim, total_k, num_kv_heads)``.
+  """
+  def check(cond, exc, msg):
+    if not cond:
+      raise exc(f"{caller}: {msg}")
+
+  check(q.ndim == 3 and k.ndim == 3 and v.ndim == 3, ValueError,
+        f"q, k, v must be [total, heads, head_dim], got ranks {q.ndim}, {k.ndim}, {v.ndim}")
+  total_q, n, h = q.shape
+  total_k, kh, hk = k.shape
+  check(v.shape == k.shape, ValueError, f"v shape {v.shape} must equal k shape {k.shape}")
+  check(hk == h, ValueError, f"k head_dim {hk} must equal q head_dim {h}")
+  check(kh > 0 and n % kh == 0, ValueError, f"num_heads {n} must be a multiple of num_kv_heads {kh}")
+  seqlens = (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q),
+             ("seqused_k", seqused_k))
+  check(all(x.ndim == 1 for _, x in seqlens), ValueError, "cu_seqlens_* and seqused_* must be 1-D")
+  b = seqused_q.shape[0]
+  check(cu_seqlens_q.shape[0] == b + 1 and cu_seqlens_k.shape[0] == b + 1 and seqused_k.shape[0] == b,
+        ValueError, f"cu_seqlens_q/k need {b + 1} entries and seqused_k {b} (from seqused_q)")
+  for name, x in seqlens:
+    check(x.dtype == jnp.int32, TypeError, f"{name} must be int32, got {x.dtype}")
+  check(int(max_seqlen_q) >= 0 and int(max_seqlen_k) >= 0, ValueError, "max_seqlen_q/k must be >= 0")
+  check(np.isfinite(scale), ValueError, f"scale must be finite, got {scale}")
+  check(np.isfinite(softcap) and softcap >= 0, ValueError,
+        f"softcap must be finite and >= 0, got {softcap}")
+  return total_q, n, h, total_k, kh
+
+
+def window_attribute(side) -> np.int32:
+  """A window side as the handlers take it: int32, -1 for unbounded."""
+  return np.int32(-1 if side is None or side < 0 else side)
