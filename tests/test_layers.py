@@ -303,7 +303,7 @@ def test_equinox_padded_contract(eqx_mod):
 
 
 def test_apply_rope_rotates_pairs():
-  from jax_padsafe._layers import apply_rope
+  from jax_padsafe._core.layers import apply_rope
   x = jax.random.normal(jax.random.key(0), (1, T, 2, 16))
   pos = jnp.arange(T)
   y = apply_rope(x, pos)

@@ -1,6 +1,6 @@
 """The padded layout (lengths, segment-id runs) mapped onto the kernels' packed layout, on the CPU.
 
-The kernels only know ``cu_seqlens``/``seqused``; ``jax_padsafe._packing`` describes a padded batch
+The kernels only know ``cu_seqlens``/``seqused``; ``jax_padsafe._core.problem`` describes a padded batch
 as runs per row. Here the mapping is run through pure-JAX stand-ins with the kernels' signatures
 and compared with the canonical pure-JAX attention on the same inputs (outputs, lse, gradients),
 for random packed layouts; layouts the kernels cannot express must be reported as not exact.
@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_padsafe
-from jax_padsafe import _api, _packing, _partitioning
+from jax_padsafe._backends import partitioning
+from jax_padsafe._core import checks, problem
 from tests import helpers
 
 
@@ -36,13 +37,12 @@ def _through_runs(q, k, v, do, dl, q_ids, k_ids, **kw):
   """Outputs and gradients computed by the runs mapping over the stand-in kernels, or None."""
   b, t, n, h = q.shape
   s = k.shape[1]
-  spec = _api._make_spec(h, None, kw.get("is_causal", False), kw.get("local_window_size"), None,
-                         512, bottom_right=kw.get("causal_alignment") == "bottom_right",
-                         max_seqlen_q=t, max_seqlen_k=s)
-  _, _, q_seg, k_seg, q_pos, k_pos = _api._canonical_rows(
+  spec = checks.make_spec(h, None, kw.get("is_causal", False), kw.get("local_window_size"), None,
+                          512, bottom_right=kw.get("causal_alignment") == "bottom_right")
+  _, _, q_seg, k_seg, q_pos, k_pos = problem.padded_rows(
       b, t, s, kw.get("causal_alignment", "top_left"), kw.get("query_seq_lengths"), None,
       q_ids, k_ids)
-  runs, exact = _packing.runs_from_segments(
+  runs, exact = problem.runs_from_segments(
       q_seg, k_seg, q_pos, k_pos, max_runs=t, positional=spec.causal or spec.has_window,
       bottom_right=spec.bottom_right)
   if not bool(exact):
@@ -51,8 +51,8 @@ def _through_runs(q, k, v, do, dl, q_ids, k_ids, **kw):
                 bottom_right=spec.bottom_right,
                 window_left=-1 if spec.window_left is None else spec.window_left,
                 window_right=-1 if spec.window_right is None else spec.window_right, softcap=0.0)
-  fwd = _partitioning.packed_to_runs(helpers.standin_flash_forward)
-  bwd = _partitioning.packed_backward_to_runs(helpers.standin_flash_backward)
+  fwd = partitioning.packed_to_runs(helpers.standin_flash_forward)
+  bwd = partitioning.packed_backward_to_runs(helpers.standin_flash_backward)
   o, lse = fwd(q, k, v, *runs, **static)
   grads = bwd(q, k, v, o, lse, do, dl, *runs, **static)
   return (o, lse) + tuple(grads)
@@ -120,19 +120,19 @@ def test_inexpressible_layouts_are_not_exact(q_ids, k_ids, kw):
 def test_too_many_runs_is_not_exact():
   ids = jnp.array([[0, 1, 2, 3, -1, 5]], jnp.int32)
   pos = jnp.arange(6, dtype=jnp.int32)[None]
-  _, exact = _packing.runs_from_segments(ids, ids, pos, pos, max_runs=4, positional=False,
-                                         bottom_right=False)
+  _, exact = problem.runs_from_segments(ids, ids, pos, pos, max_runs=4, positional=False,
+                                        bottom_right=False)
   assert not bool(exact)
-  runs, exact = _packing.runs_from_segments(ids, ids, pos, pos, max_runs=8, positional=False,
-                                            bottom_right=False)
+  runs, exact = problem.runs_from_segments(ids, ids, pos, pos, max_runs=8, positional=False,
+                                           bottom_right=False)
   assert bool(exact)
   np.testing.assert_array_equal(runs.q_start[0], [0, 1, 2, 3, 5, 6, 6, 6])
   np.testing.assert_array_equal(runs.q_used[0], [1, 1, 1, 1, 1, 0, 0, 0])
 
 
 def test_packed_view_of_lengths_is_the_plain_padded_mapping():
-  runs = _packing.runs_from_lengths(jnp.array([3, 0, 5]), jnp.array([7, 2, 0]))
-  cu_q, cu_k, used_q, used_k = _packing.packed_view(runs, 5, 7)
+  runs = problem.runs_from_lengths(jnp.array([3, 0, 5]), jnp.array([7, 2, 0]))
+  cu_q, cu_k, used_q, used_k = problem.packed_view(runs, 5, 7)
   np.testing.assert_array_equal(cu_q, [0, 5, 10, 15])
   np.testing.assert_array_equal(cu_k, [0, 7, 14, 21])
   np.testing.assert_array_equal(used_q, [3, 0, 5])
