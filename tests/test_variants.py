@@ -124,8 +124,10 @@ def test_cache_key():
     common = cache.common_key()
     v = V.Variant("fwd", "sm_90a", "bf16", 128, False, "sm90")
     assert cache.unit_key(v, common) == cache.unit_key(V.Variant("fwd", "sm_90a", "bf16", 128, False, "sm90"), common)
-    others = [V.Variant("fwd", "sm_90a", "bf16", 128, True, "sm90"), V.Variant("bwd", "sm_90a", "bf16", 128, False, "sm90"),
-              V.Variant("fwd", "sm_90a", "bf16", 192, False, "sm90"), V.Variant("fwd", "sm_90a", "bf16", 128, False)]
+    others = [V.Variant("fwd", "sm_90a", "bf16", 128, True, "sm90"),
+              V.Variant("fwd", "sm_90a", "bf16", 192, False, "sm90"),
+              V.Variant("bwd", "sm_90a", "bf16", 128, False, "sm90"),
+              V.Variant("fwd", "sm_90a", "bf16", 128, False)]
     assert len({cache.unit_key(u, common) for u in [v] + others}) == 1 + len(others)
     assert cache.unit_key(v, common + "x") != cache.unit_key(v, common)
     assert '"fwd_pin_pv_wait": true' in cache.describe(v)  # tuning values are part of the description

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import sys
 import time
+import traceback
 
 from . import cache, registry
 from . import variants as V
@@ -69,19 +70,29 @@ def main(argv=None):
             facts[u] = hit
             done += 1
             print(f"[{done}/{n}] {u.describe()} ... cached", flush=True)
+    failed = []
     if todo:
         for u in todo:
             cache.invalidate(out, u)
         # spawn: a fresh interpreter per worker (no state forked from this process).
         ctx = multiprocessing.get_context("spawn")
         with cf.ProcessPoolExecutor(max_workers=max(1, min(a.jobs, len(todo))), mp_context=ctx) as ex:
-            futures = [ex.submit(timed_compile, (u, out)) for u in todo]
+            futures = {ex.submit(timed_compile, (u, out)): u for u in todo}
             for fut in cf.as_completed(futures):
-                u, f, seconds = fut.result()
+                done += 1
+                try:
+                    u, f, seconds = fut.result()
+                except Exception as e:  # noqa: BLE001 - reported below; the other variants still finish and are kept
+                    failed.append(futures[fut])
+                    print(f"[{done}/{n}] {futures[fut].describe()} ... FAILED", flush=True)
+                    traceback.print_exception(e)
+                    continue
                 cache.store(out, u, keys[u], f)
                 facts[u] = f
-                done += 1
                 print(f"[{done}/{n}] {u.describe()} ... {seconds:.0f} s", flush=True)
+    if failed:
+        print(f"{len(failed)} of {n} failed: {', '.join(u.prefix for u in failed)}", file=sys.stderr, flush=True)
+        return 1
     registry.write(out, units, {u.prefix: f["queue_all"] for u, f in facts.items() if "queue_all" in f})
     print(f"built {len(todo)}, cached {n - len(todo)} in {time.time() - t0:.0f} s -> {out}", flush=True)
     return 0

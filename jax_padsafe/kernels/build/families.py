@@ -56,7 +56,8 @@ _BWD = {
     "dkdv": Signature((Tensor("mQ", _Q % "q"), Tensor("mK", _K % "k"), Tensor("mV", _K % "v"),
                        Tensor("mdO", _Q % "dout"), Tensor("mLSE", _R % "lse"), Tensor("mDelta", _R % "delta"),
                        Tensor("mdK", _K % "dk"), Tensor("mdV", _K % "dv"), Tensor("mCuQ", _CU % "cu_q"),
-                       Tensor("mCuK", _CU % "cu_k"), Tensor("mUsedQ", _US % "used_q"), Tensor("mUsedK", _US % "used_k")),
+                       Tensor("mCuK", _CU % "cu_k"), Tensor("mUsedQ", _US % "used_q"),
+                       Tensor("mUsedK", _US % "used_k")),
                       "a->score_mul, a->cap_mul, a->dscale, a->window_left, a->window_right, a->bottom_right, "
                       "a->max_seqlen_k"),
     "dq": Signature((Tensor("mQ", _Q % "q"), Tensor("mK", _K % "k"), Tensor("mV", _K % "v"),

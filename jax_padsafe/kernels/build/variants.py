@@ -71,7 +71,7 @@ class Sm90Tuning:
 # passes): 32 query rows per dK/dV step and 32 keys per dQ step keep the S / dP fragments small next to the
 # accumulator; ptxas (sm_90a, bf16) reports 0 spills for the dV and dK passes and dQ (hd256 dQ with softcap:
 # 16 B), where 64 x 64 tiles spilled 184 B (dK pass, softcap) and 392-448 B (dQ). Shared memory: 128 KB per
-# block in every kernel (dV pass 96 KB), so two stages fit sm_80 (163 KB) and sm_90a.
+# block in every kernel (dV pass 96 KB), so the kernels' two stages fit sm_80 (163 KB) and sm_90a.
 # sm90 forward: block_m = 2 consumer warpgroups x 64 rows; shared memory Q block_m x hd + 2 stages x (K + V)
 # block_n x hd, at most 227 KB (hd256: 225 KB). The L2 prefetch: hd64 +5-10% at >= 2k tokens, hd96 neutral, hd128
 # 5-9% slower at 512 tokens. The pinned P V wait with the early O rescale: hd128 +3-5% at 2k-16k tokens, causal
@@ -119,10 +119,6 @@ def sm80_fwd_stages(arch: str, head_dim: int) -> int:
     two_stage_bytes = (block_m + 4 * block_n) * head_dim * 2 + 1024
     return 2 if 2 * two_stage_bytes <= SMEM_PER_SM.get(arch, 227 * 1024) else 1
 
-
-# Shared-memory stages of the sm80 backward's streamed operands (dK/dV kernel: Q/dO, dQ kernel: K/V). Two stages
-# fit every default variant (sm_80 allows 163 KB per block; the largest tiles need 128 KB).
-SM80_BWD_STAGES = (2, 2)
 
 
 @dataclass(frozen=True)
@@ -173,11 +169,8 @@ class Variant:
         its arch."""
         fwd = self.kind == "fwd"
         opts = {k: v for k, v in vars(self.tuning).items() if (k == "fwd" or k.startswith("fwd_")) == fwd}
-        if self.family == "sm80":
-            if fwd:
-                opts["fwd_stages"] = sm80_fwd_stages(self.arch, self.head_dim)
-            else:
-                opts["bwd_stages"] = SM80_BWD_STAGES
+        if self.family == "sm80" and fwd:
+            opts["fwd_stages"] = sm80_fwd_stages(self.arch, self.head_dim)
         return opts
 
     @property
