@@ -160,6 +160,7 @@ def from_padded(spec: AttentionSpec, b, t, s, alignment, q_lengths, kv_lengths, 
     kernel = runs_from_lengths(q_len, kv_len)
   elif kernel_view:
     if all(x is None or checks.is_concrete(x) for x in raw):
+      # Under an outer jit the rows above are traced even for concrete ids: map them eagerly.
       with jax.ensure_compile_time_eval():
         kernel, exact, reason = _segment_runs(spec, *rows()[2:], max_segments)
     else:
