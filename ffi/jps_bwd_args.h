@@ -1,12 +1,12 @@
 // ABI between the backward FFI handler (jps_bwd.cc) and the generated launch adapters
-// (build/kernels/jps_bwd_registry.h, written by jax_padsafe/kernels/bwd_build.py).
+// (<kernel dir>/jps_bwd_registry.h, written by `python -m jax_padsafe.kernels.build`).
 #pragma once
 #include "jps_fwd_args.h"  // cuda_runtime.h, jps_note_cuda_error / CUTE_DSL_CUDA_ERROR_CHECK
 
 struct JpsBwdArgs {
   void *q, *k, *v, *o, *dout;   // [total_q, N, H], [total_k, K, H] x2, [total_q, N, H] x2
   float *lse, *dlse, *delta;    // [N, total_q]; delta: zero-filled workspace
-  void *dq, *dk, *dv;           // zero-filled outputs
+  void *dq, *dk, *dv;           // outputs, zeroed where no kernel writes (common.h: OutputZeroing)
   int32_t *cu_q, *cu_k;         // [batch + 1]
   int32_t *used_q, *used_k;     // [batch]
   int32_t total_q, total_k, num_heads, num_kv_heads, head_dim, batch;
@@ -16,13 +16,8 @@ struct JpsBwdArgs {
   int32_t window_left, window_right;  // -1: unbounded; causal is folded into window_right
   int32_t bottom_right;
   int32_t max_seqlen_q, max_seqlen_k;
-  // Fused-dQ family (2) only: zero-filled fp32 dQ accumulator [total_q, N, H] and int32 semaphores
-  // [batch * N * ceil(max_seqlen_q / 64)], both carved from the caller's workspace; null otherwise.
-  float *dq_accum;
-  int32_t *dq_sem;
-  int32_t dq_sem_count;
-  // [2], zero-filled by the handler on packed calls: the sm90 family's compact tile queues ([0] the dK/dV
-  // kernel's, [1] the dQ kernel's; bwd_sm90 via tile_queue); unused by the other families.
+  // [2], zeroed by the handler where a compact schedule may run: the Hopper family's tile queues ([0] the
+  // dK/dV kernel's, [1] the dQ kernel's); unused by the SM80-class family.
   int32_t *tile_counters;
 };
 
@@ -30,7 +25,7 @@ typedef int32_t (*JpsBwdLaunchFn)(void *module, const JpsBwdArgs *args, cudaStre
 
 struct JpsBwdVariant {
   int arch, dtype, head_dim, softcap;
-  void (*load)(void);
+  void (*load)(void);  // loads every module of the entry
   void *pre_module;
   JpsBwdLaunchFn pre;
   void *dkdv_module;
@@ -38,17 +33,16 @@ struct JpsBwdVariant {
   void *dq_module;
   JpsBwdLaunchFn dq;
   const char *name;
-  int family;  // 0: SM80-class (bwd_sm80), 1: Hopper TMA + wgmma (bwd_sm90, sm_90a only), 2: Hopper with the
-              // dQ fused into the dK/dV kernel (bwd_sm90.BwdDKDVQSm90; `dq` is then the fp32 -> dtype conversion)
+  int family;  // 0: SM80-class (kernels/sm80), 1: Hopper TMA + wgmma (kernels/sm90, sm_90a only)
   // Second dK/dV launch, or null.  Non-null for the SM80-class variants with head_dim > 128: `dkdv` is then
-  // the dV-only pass and `dk` the dK-only pass of the same kernel (bwd_sm80.BwdDKDV outputs="dv"/"dk"),
-  // launched one after the other with the same arguments; each writes only its own output.
+  // the dV-only pass and `dk` the dK-only pass of the same kernel (outputs "dv" / "dk"), launched one after
+  // the other with the same arguments; each writes only its own output.
   void *dk_module;
   JpsBwdLaunchFn dk;
   // Family 1: the dK/dV kernel's key tile (block_n) and the dQ kernel's query tile (block_m), which decide
   // whether a call may take the compact schedules (and so needs zeroed tile counters); 0 otherwise.
   int dkdv_block_n, dq_block_m;
   // Family 1: the kernels that take their queued schedule on every layout, dense ones too (bit 0: dK/dV,
-  // bit 1: dQ; read off the compiled kernels by bwd_build._compile_one): then every call needs zeroed tile counters.
+  // bit 1: dQ; read off the compiled kernels by the build): then every call needs zeroed tile counters.
   int queue_all;
 };

@@ -1,5 +1,5 @@
-// ABI between the FFI handlers (jps_fwd.cc) and the generated launch adapters
-// (build/kernels/jps_registry.h, written by jax_padsafe/kernels/build.py).
+// ABI between the forward FFI handler (jps_fwd.cc) and the generated launch adapters
+// (<kernel dir>/jps_registry.h, written by `python -m jax_padsafe.kernels.build`).
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -31,9 +31,11 @@ struct JpsFwdVariant {
   JpsFwdLoadFn load;
   JpsFwdLaunchFn launch;
   const char *name;
-  int family;    // 0: SM80-class kernel (fwd_sm80), 1: Hopper TMA + wgmma kernel (fwd_sm90, arch 90 only)
+  int family;    // 0: SM80-class kernel (kernels/sm80), 1: Hopper TMA + wgmma kernel (kernels/sm90, arch 90 only)
 };
 
-// Errors reported by the exported module loaders (CUTE_DSL_CUDA_ERROR_CHECK is redirected here).
+// Errors reported by the exported module loaders (CUTE_DSL_CUDA_ERROR_CHECK is redirected here; the generated
+// registries include this header before the exported ones).  Keeps the calling thread's first error for
+// jps::LoadChecked (common.h).
 void jps_note_cuda_error(cudaError_t err);
 #define CUTE_DSL_CUDA_ERROR_CHECK(err) jps_note_cuda_error(err)
