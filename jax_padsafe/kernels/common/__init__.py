@@ -1,0 +1,1 @@
+"""Pieces the kernels of every architecture share (see the package docstring)."""

@@ -1,24 +1,21 @@
-"""The compact tile schedule: which (sequence, tile) a CTA or a claimed tile number stands for."""
+"""The compact tile schedule: which (sequence, tile) a CTA or a claimed tile number stands for.
+
+A grid of ceil(max_seqlen / block) tiles per sequence launches, for a packed batch of a few long and many
+short sequences (or a max_seqlen left at the packed length, all a jitted step with traced offsets knows),
+mostly tiles past their sequence's end.  The compact schedule numbers only tiles that start inside their
+sequence's slot: tile m of sequence b is v = cu[b] // block + b + m.  f(b) = cu[b] // block + b is strictly
+increasing, and for non-decreasing offsets the last tile of b stays below f(b + 1) (ceil(L / block) <=
+floor(L / block) + 1 for the slot length L), so v is one-to-one.  Every v is below
+cu[B] // block + B <= total_rows // block + B: that bound, known on the host from the buffer's shape, sizes
+the grid.  A v that falls past its sequence's slot (at most one per sequence, plus those before f(0)) is a
+hole: the kernel finds m * block >= slot length and does nothing, exactly as for a dense tile past a
+sequence's end.
+"""
 
 import cutlass
 import cutlass.cute as cute
 
 from .bounds import slot_length
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The compact tile schedule.
-#
-# A grid of ceil(max_seqlen / block) tiles per sequence launches, for a packed batch of a few long and many
-# short sequences (or a max_seqlen left at the packed length, all a jitted step with traced offsets knows),
-# mostly tiles past their sequence's end.  The compact schedule numbers only tiles that start inside their
-# sequence's slot: tile m of sequence b is v = cu[b] // block + b + m.  f(b) = cu[b] // block + b is strictly
-# increasing, and for non-decreasing offsets the last tile of b stays below f(b + 1) (ceil(L / block) <=
-# floor(L / block) + 1 for the slot length L), so v is one-to-one.  Every v is below
-# cu[B] // block + B <= total_rows // block + B: that bound, known on the host from the buffer's shape, sizes
-# the grid.  A v that falls past its sequence's slot (at most one per sequence, plus those before f(0)) is a
-# hole: the kernel finds m * block >= slot length and does nothing, exactly as for a dense tile past a
-# sequence's end.
 
 
 def compact_tiles_per_head(total_rows, batch, block: int):

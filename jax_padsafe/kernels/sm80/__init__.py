@@ -1,0 +1,1 @@
+"""SM80-class kernels (mma.sync + cp.async): built for every arch."""

@@ -11,13 +11,13 @@ from ..common import bounds, tile_schedule, tiles
 class BwdPreprocess:
     """Delta = rowsum(dO * O) - dlse (float32), valid rows with a visible key only."""
 
-    def __init__(self, dtype, head_dim: int, block_m: int = 0, num_threads: int = 128):
+    def __init__(self, dtype, head_dim: int):
         self.dtype = dtype
         self.head_dim = head_dim
         # Each thread holds its share of a (block_m, HD) tile of O and of dO in registers: 64 rows up to
         # hd128 (64 values per thread), 32 rows above (at most 64 values per thread at hd256).
-        self.block_m = block_m or (64 if head_dim <= 128 else 32)
-        self.num_threads = num_threads
+        self.block_m = 64 if head_dim <= 128 else 32
+        self.num_threads = 128
 
     @cute.jit
     def __call__(

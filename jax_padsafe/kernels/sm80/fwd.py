@@ -17,7 +17,6 @@ import cuda.bindings.driver as cuda
 from ..common import bounds, masking, softmax, tiles
 
 
-
 class FlashFwdSm80:
     """The forward kernel.  `stages`: K/V shared-memory stages, 1 or 2 (the build chooses per arch and head dim
     from the shared memory per SM: two CTAs per SM with two stages where they fit, else one stage)."""

@@ -1,0 +1,1 @@
+"""Hopper kernels (TMA + wgmma, warp-specialised): built for sm_90a."""

@@ -23,11 +23,11 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
       dP^T and dS^T, and they swap them through shared memory (`exchange_step`), so each GEMM is computed once.
     """
 
-    def __init__(self, dtype, head_dim: int, block_m: int = 64, block_n: int = 128, num_stages: int = 2,
-                 has_softcap: bool = False, pin_waits: bool = False, queue_dense: bool = False):
+    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool, *,
+                 pin_waits: bool, queue_dense: bool):
         super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
         assert block_n in (64, 128)
-        # Every layout takes the queued compact schedule, dense ones too (see the module docstring); the
+        # Every layout takes the queued compact schedule, dense ones too (see bwd_base); the
         # FFI handler then zeroes the counter on every call (the registry's `queue_all`).
         self.queue_dense = queue_dense
         # The queued kernel stages dK / dV through tiles of their own (64 KB at head dim 128), so a tile's K / V

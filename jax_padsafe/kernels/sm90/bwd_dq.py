@@ -14,8 +14,8 @@ from .bwd_base import BAR_CONSUMERS, BAR_WG_BASE, Sm90BwdBase
 class BwdDQSm90(Sm90BwdBase):
     """dQ for one query tile of block_m = 2 x 64 queries of one head."""
 
-    def __init__(self, dtype, head_dim: int, block_m: int = 128, block_n: int = 64, num_stages: int = 2,
-                 has_softcap: bool = False, pin_waits: bool = False, queue_dense: bool = False):
+    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool, *,
+                 pin_waits: bool, queue_dense: bool):
         super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
         assert block_m == 128
         # The wait for dP pinned after P (common.wgmma_wait_after): ptxas issues it after ~9 of the 32

@@ -47,7 +47,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..common import bounds, masking, softmax, tile_queue, tile_schedule, tiles
 from . import common as sc
 from .fwd_producer import FwdProducer
-from .fwd_schedule import SLOT_VALUES, FwdTileSchedule
+from .fwd_schedule import SLOT_VALUES, FwdSchedule, FwdTileSchedule
 
 # Named barrier ids (0 is __syncthreads).
 _BAR_CONSUMERS = 1  # both consumer warpgroups (256 threads)
@@ -155,7 +155,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
             mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            # The compact kernel's tile queue: two slots of (tile number, the tile's tile_info), full / empty
+            # The compact kernel's tile queue: two slots of (tile number, the tile's FwdTile), full / empty
             # barriers.
             mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
             sTileSlots: cute.struct.MemRange[cutlass.Int32, 2 * SLOT_VALUES]
@@ -274,8 +274,8 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
         sO = sQ
         if cutlass.const_expr(self.separate_o):
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sched = (n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
-                 window_left, window_right, bottom_right, compact)
+        sched = FwdSchedule(n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
+                            window_left, window_right, bottom_right, compact)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -357,12 +357,12 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
         alpha = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        opaque_zero = sched[4] >> 30  # tiles_per_cta < 2^30: 0, but a kernel argument, so no compiler knows it
+        opaque_zero = sched.tiles_per_cta >> 30  # < 2^30: 0, but a kernel argument, so no compiler knows it
         ctx = (sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out, copy_r2s,
                thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP, tOrP, score_mul,
                cap_mul, mul, tidx, wg, opaque_zero)
         if cutlass.const_expr(queue is None):
-            for j in cutlass.range(sched[4], unroll=1):
+            for j in cutlass.range(sched.tiles_per_cta, unroll=1):
                 state_q, state = self.consume_or_zero(self.tile_info(j, sched), ctx, state_q, state)
         else:
             # The compact kernel's queue: the tiles the producer claimed, in its order, until a claim past
@@ -378,7 +378,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
 
     @cute.jit
     def consume_or_zero(self, info, ctx, state_q, state):
-        """The consumers' part of one tile (`info`: tile_info): compute it, or, for a tile wholly past the
+        """The consumers' part of one tile (`info`: its FwdTile): compute it, or, for a tile wholly past the
         valid length, write the zeros of its rows up to the slot end (none for a compact hole)."""
         BM, HD = self.block_m, self.head_dim
         (present, m_block, head, _, q_start, q_len, _, k_len, off, left, right, n_min, n_max, in_grid,

@@ -31,7 +31,7 @@ class FwdProducer:
     ):
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for j in cutlass.range(sched[4], unroll=1):
+        for j in cutlass.range(sched.tiles_per_cta, unroll=1):
             (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
              n_max, _, _) = self.tile_info(j, sched)
             if present:
@@ -167,11 +167,12 @@ class FwdProducer:
         """TMA prefetch into L2 (no shared memory, no barrier) of the CTA's tile j's Q and of the K / V block
         it visits first; nothing if the CTA has no tile j or it has nothing to load."""
         info = self.tile_info(j, sched)
-        self.prefetch_info_l2(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, info, j < sched[4])
+        self.prefetch_info_l2(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, info,
+                              j < sched.tiles_per_cta)
 
     @cute.jit
     def prefetch_info_l2(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, info, wanted):
-        """prefetch_tile_l2 of the tile that `info` (tile_info) describes, if `wanted`."""
+        """prefetch_tile_l2 of the tile that `info` (a FwdTile) describes, if `wanted`."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         (present, m_block, head, head_kv, q_start, _, k_start, _, _, _, _, n_min, n_max, _, _) = info
         if wanted:

@@ -43,6 +43,25 @@ class FwdTile(NamedTuple):
 SLOT_VALUES = 1 + len(FwdTile._fields)
 
 
+class FwdSchedule(NamedTuple):
+    """What the kernel's threads need to decode tile numbers (`tile_info_lin`).  `per_seq_or_head`: m-blocks
+    per sequence (dense) or compact tiles per head (compact); `tiles_per_cta`: the dense schedule's tiles per
+    CTA (1 in the compact one, whose CTAs claim tiles until the queue is empty)."""
+    per_seq_or_head: cutlass.Int32
+    num_heads: cutlass.Int32
+    num_kv_heads: cutlass.Int32
+    batch_size: cutlass.Int32
+    tiles_per_cta: cutlass.Int32
+    cu_q: cute.Tensor
+    cu_k: cute.Tensor
+    used_q: cute.Tensor
+    used_k: cute.Tensor
+    window_left: cutlass.Int32
+    window_right: cutlass.Int32
+    bottom_right: cutlass.Int32
+    compact: bool
+
+
 class FwdTileSchedule:
     """Mixin of `FlashFwdSm90`: the launch of each schedule and the decoding of tile numbers."""
 
@@ -138,7 +157,7 @@ class FwdTileSchedule:
 
     def queue_length(self, sched):
         """The compact schedule's tile count (compact tiles per head x heads): claims at or past it end."""
-        return sched[0] * sched[1]
+        return sched.per_seq_or_head * sched.num_heads
 
     @cute.jit
     def claim_published(self, queue, state_tile, sched):
