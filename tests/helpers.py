@@ -1,4 +1,6 @@
-"""Shared test machinery: problem generation, poisoning, running an implementation, contract checks."""
+"""The contract test base every implementation runs: problem generation, poisoning, running an
+implementation, and the whole contract on one problem (:func:`check_problem` for the padded layout,
+:func:`check_packed` for the packed one) against the oracle of ``tests/oracle.py``."""
 
 from __future__ import annotations
 
@@ -50,6 +52,19 @@ def assert_bitwise_equal(a, b, what):
   if not np.array_equal(bits(a), bits(b)):
     diff = np.argwhere(bits(a) != bits(b))
     raise AssertionError(f"{what}: not bitwise identical at {len(diff)} places, first {diff[:3].tolist()}")
+
+
+def kernels_ready():
+  """``(ready, reason)``: whether the GPU kernels can run here (a CUDA GPU and a built kernel library)."""
+  try:
+    gpu = any(d.platform == "gpu" for d in jax.devices())
+  except RuntimeError:
+    gpu = False
+  if not gpu:
+    return False, "no CUDA GPU present"
+  if not jax_padsafe.kernels_available()["forward"]:
+    return False, "kernel library not built"
+  return True, ""
 
 
 def dtype_for(impl, dtype):
@@ -134,74 +149,12 @@ def run_padded(p: oracle.Problem, dtype, runner, *, poison="zero", rng=None, d_o
   return {name: np.asarray(x) for name, x in runner(q, k, v, bias, do, dl).items()}
 
 
-def naive_lowp(p: oracle.Problem, dtype, d_out, d_lse):
-  """Plain (non-blockwise) softmax attention in ``dtype`` with float32 accumulation, on clean
-  inputs: the yardstick for the contract's accuracy rule."""
-  b, t, n, h, s, kh = p.shape
-  scale = p.scale if p.scale is not None else 1.0 / np.sqrt(h)
-  vis = jnp.asarray(p.visible())
-  qv, kv = p.q_valid(), p.k_valid()
-  q = jnp.asarray(np.where(qv[..., None, None], p.q, 0), dtype)
-  k = jnp.asarray(np.repeat(np.where(kv[..., None, None], p.k, 0), n // kh, axis=2), dtype)
-  v = jnp.asarray(np.repeat(np.where(kv[..., None, None], p.v, 0), n // kh, axis=2), dtype)
-  bias = None if p.bias is None else jnp.asarray(np.broadcast_to(p.bias, (b, n, t, s)), dtype)
-
-  def f(q, k, v, bias):
-    s_ = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32).astype(dtype)
-    s_ = s_.astype(jnp.float32) * scale
-    if p.softcap is not None:
-      s_ = p.softcap * jnp.tanh(s_ / p.softcap)
-    if bias is not None:
-      s_ = s_ + jnp.where(vis, bias.astype(jnp.float32), 0)
-    m = jnp.max(jnp.where(vis, s_, -jnp.inf), -1)
-    m = jnp.where(jnp.isfinite(m), m, 0)
-    e = jnp.where(vis, jnp.exp(s_ - m[..., None]), 0)
-    l = e.sum(-1)
-    ls = jnp.where(l > 0, l, 1)
-    prob = (e / ls[..., None]).astype(dtype)
-    out = jnp.einsum("bnts,bsnh->btnh", prob, v, preferred_element_type=jnp.float32).astype(dtype)
-    lse = jnp.where(l > 0, m + jnp.log(ls), 0)
-    return out, lse
-
-  (out, lse), vjp = jax.vjp(f, q, k, v, bias)
-  do = jnp.asarray(np.where(qv[..., None, None], d_out, 0), dtype)
-  dl = jnp.asarray(np.where(qv[:, None, :], d_lse, 0), jnp.float32)
-  dq, dk, dv, dbias = vjp((do, dl))
-  dk = dk.reshape(b, s, kh, n // kh, h).sum(3)
-  dv = dv.reshape(b, s, kh, n // kh, h).sum(3)
-  res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
-  if dbias is not None:
-    axes = tuple(i for i in range(4) if p.bias.shape[i] == 1)
-    res["dbias"] = jnp.sum(dbias.astype(jnp.float32), axis=axes, keepdims=True)
-  return {name: np.asarray(x, np.float64) for name, x in res.items()}
-
-
-def assert_close_to_oracle(ours, ref, naive, dtype, names):
-  """The contract's accuracy rule: ``max|ours - ref64| <= 2 * max|naive_lowp - ref64| + eps``."""
-  for name in names:
-    r = ref[name]
-    a = np.asarray(ours[name], np.float64)
-    finite = np.isfinite(r)
-    assert np.array_equal(np.isfinite(a), finite), f"{name}: non-finite entries differ from the oracle"
-    assert np.array_equal(a[~finite], r[~finite]), f"{name}: infinite entries differ from the oracle"
-    if not finite.any():
-      continue
-    err = np.max(np.abs(a[finite] - r[finite]))
-    naive_err = np.max(np.abs(naive[name][finite] - r[finite])) if name in naive else 0.0
-    # eps: rounding the result to the input dtype, plus float32 accumulation noise.
-    eps = (2 * float(jnp.finfo(dtype).eps) + 32 * float(jnp.finfo(jnp.float32).eps)) * max(
-        1.0, float(np.max(np.abs(r[finite]))))
-    assert err <= 2 * naive_err + eps, (
-        f"{name}: max error {err:.3g} > 2 * naive {naive_err:.3g} + eps {eps:.3g}")
-
-
 def assert_contract_zeros(p: oracle.Problem, ours, ref):
   """Padded rows and never-seen keys hold exact zeros; lse is 0 / -inf where the contract says."""
   qv, kv = p.q_valid(), p.k_valid()
   assert np.all(ours["out"][~qv] == 0), "padded output rows must be exactly 0"
   assert np.all(ours["lse"].transpose(0, 2, 1)[~qv] == 0), "padded lse rows must be exactly 0"
-  vis = ref["visible"]
-  empty = qv[:, None, :] & ~vis.any(-1)            # [B, N, T] valid rows with no visible key
+  empty = ref["empty"]                               # [B, N, T] valid rows with no visible key
   assert np.all(np.isneginf(ours["lse"][empty])), "valid rows with no visible key need lse = -inf"
   out_rows = ours["out"].transpose(0, 2, 1, 3)       # [B, N, T, H]
   assert np.all(out_rows[empty] == 0), "valid rows with no visible key need output exactly 0"
@@ -214,31 +167,178 @@ def assert_contract_zeros(p: oracle.Problem, ours, ref):
     assert np.all(ours["dq"][~qv] == 0), "padded dQ rows must be exactly 0"
     dq_rows = ours["dq"].transpose(0, 2, 1, 3)
     assert np.all(dq_rows[empty] == 0), "dQ of valid rows with no visible key must be exactly 0"
-    b, t, n, h, s, kh = p.shape
-    seen = vis.reshape(b, kh, n // kh, t, s).any(axis=(2, 3)).transpose(0, 2, 1)  # [B, S, K]
     for name in ("dk", "dv"):
       assert np.all(ours[name][~kv] == 0), f"padded {name} rows must be exactly 0"
-      assert np.all(ours[name][~seen] == 0), f"{name} of keys no valid query sees must be exactly 0"
+      assert np.all(ours[name][~ref["seen"]] == 0), f"{name} of keys no valid query sees must be exactly 0"
+
+
+def dirty_memory(results):
+  """Allocates and frees NaN-filled device buffers twice the size of ``results``, so that the next call's
+  outputs likely land on NaN memory: what its memsets or its kernels' zero rows must hide."""
+  junk = [jnp.full((2 * np.asarray(x).size,), jnp.nan, jnp.float32) for x in results.values()]
+  jax.block_until_ready(junk)
+  del junk
 
 
 def check_problem(p: oracle.Problem, dtype, impl, *, poisons=POISONS, seed=0, grads=True,
-                  traced_ids=False):
-  """The whole contract on one problem: oracle match, exact zeros, bitwise poison invariance."""
+                  traced_ids=False, dirty=False):
+  """The whole contract on one padded problem: oracle match (the accuracy rule), exact zeros,
+  bitwise poison invariance; with ``dirty`` also bitwise the same results on memory left NaN by
+  earlier buffers (:func:`dirty_memory`).  Returns ``(results, ref64)``."""
   rng = np.random.default_rng(seed)
   dtype = dtype_for(impl, dtype)
   d_out, d_lse = cotangents(p, rng)
   runner = make_runner(p, impl, grads=grads, traced_ids=traced_ids)
   base = run_padded(p, dtype, runner, poison="zero", d_out=d_out, d_lse=d_lse, rng=rng)
-  ref = oracle.reference(p, d_out, d_lse)
+  ref, naive = oracle.expected(p, dtype, d_out, d_lse) if grads else oracle.expected(p, dtype)
   names = ["out", "lse"] + (["dq", "dk", "dv"] + (["dbias"] if p.bias is not None else [])
                            if grads else [])
-  naive = naive_lowp(p, dtype, d_out, d_lse)
-  assert_close_to_oracle(base, ref, naive, dtype, names)
+  oracle.assert_close(base, ref, naive, dtype, names)
   assert_contract_zeros(p, base, ref)
   for poison in poisons:
     poisoned = run_padded(p, dtype, runner, poison=poison, d_out=d_out, d_lse=d_lse, rng=rng)
     for name in names:
       assert_bitwise_equal(poisoned[name], base[name], f"{name} with {poison} in the padding")
+  if dirty:
+    dirty_memory(base)
+    again = run_padded(p, dtype, runner, poison="zero", d_out=d_out, d_lse=d_lse, rng=rng)
+    for name in names:
+      assert_bitwise_equal(again[name], base[name], f"{name} on dirty memory")
+  return base, ref
+
+
+# --------------------------------------------------------------------------------------------------
+# The packed (variable-length) layout
+# --------------------------------------------------------------------------------------------------
+
+def build_packed(rng, caps_q, used_q, caps_k, used_k, *, tail_q=3, tail_k=5, lead_q=0, lead_k=0, n=4, k=2,
+                 h=64, **kw):
+  """A random packed problem: sequence b has a slot of ``caps[b]`` rows of which the first ``used[b]`` are
+  valid, the slots back to back after ``lead`` unused rows, then ``tail`` rows past ``cu_seqlens[-1]``.
+  ``kw``: the masks (``causal``, ``window``, ``softcap``, ``scale``, ``bottom_right``).
+
+  Returns a dict: ``q``, ``k``, ``v``, ``cu_q``, ``cu_k``, ``used_q``, ``used_k``, ``valid_q``, ``valid_k``,
+  ``packed`` (the :class:`oracle.PackedProblem`) and ``problem`` (the same sequences as a padded
+  :class:`oracle.Problem`).  Optional keys read by :func:`check_packed`: ``loose_bounds`` (leave
+  ``max_seqlen_q/k`` at their default, the packed length) and ``bound`` (both bounds below the longest
+  slot, the offsets traced)."""
+  caps_q, used_q, caps_k, used_k = (np.asarray(x, np.int64) for x in (caps_q, used_q, caps_k, used_k))
+  cu_q = (lead_q + np.concatenate([[0], np.cumsum(caps_q)])).astype(np.int32)
+  cu_k = (lead_k + np.concatenate([[0], np.cumsum(caps_k)])).astype(np.int32)
+  total_q, total_k = int(cu_q[-1]) + tail_q, int(cu_k[-1]) + tail_k
+  packed = oracle.PackedProblem(
+      q=rng.standard_normal((total_q, n, h)), k=rng.standard_normal((total_k, k, h)),
+      v=rng.standard_normal((total_k, k, h)), cu_q=cu_q, cu_k=cu_k, used_q=used_q.astype(np.int32),
+      used_k=used_k.astype(np.int32), **kw)
+  return dict(q=packed.q, k=packed.k, v=packed.v, cu_q=cu_q, cu_k=cu_k, used_q=packed.used_q,
+              used_k=packed.used_k, valid_q=packed.q_valid(), valid_k=packed.k_valid(), packed=packed,
+              problem=packed.padded())
+
+
+def packed_from_padded(x, cu, used, total):
+  """[B, L, ...] padded -> [total, ...] packed (zeros outside the used rows)."""
+  out = np.zeros((total,) + x.shape[2:], x.dtype)
+  for i in range(len(used)):
+    out[cu[i]:cu[i] + used[i]] = x[i, :used[i]]
+  return out
+
+
+def packed_kwargs(d, impl, **kw):
+  """``varlen_attention`` keyword arguments for a problem from :func:`build_packed` (cu_seqlens apart).
+  The sequence-length bounds are the longest slots, ``d["bound"]``, or left at their default (the packed
+  length) where ``d["loose_bounds"]``."""
+  p = d["packed"]
+  if d.get("bound") is not None:
+    bounds = dict(max_seqlen_q=int(d["bound"]), max_seqlen_k=int(d["bound"]))
+  elif d.get("loose_bounds"):
+    bounds = {}
+  else:
+    bounds = dict(max_seqlen_q=max(1, int(np.max(np.diff(d["cu_q"]), initial=0))),
+                  max_seqlen_k=max(1, int(np.max(np.diff(d["cu_k"]), initial=0))))
+  return dict(seqused_q=jnp.asarray(d["used_q"], jnp.int32), seqused_k=jnp.asarray(d["used_k"], jnp.int32),
+              is_causal=p.causal, softcap=p.softcap, scale=p.scale,
+              causal_alignment="bottom_right" if p.bottom_right else "top_left",
+              local_window_size=None if p.window is None else tuple(-1 if w is None else w for w in p.window),
+              implementation=impl, **bounds, **kw)
+
+
+def make_packed_runner(d, impl, *, grads=True, **kw):
+  """One jitted ``(q, k, v, do, dl) -> dict(out, lse[, dq, dk, dv])`` through ``varlen_attention``.  With
+  ``d["bound"]`` the offsets are arguments of the jitted function (traced, as in a training step), so that a
+  bound below the longest slot is legal: rows past it are padding."""
+  args = packed_kwargs(d, impl, return_lse=True, **kw)
+  cu = (jnp.asarray(d["cu_q"]), jnp.asarray(d["cu_k"]))
+  traced = d.get("bound") is not None
+  names = ("out", "lse", "dq", "dk", "dv") if grads else ("out", "lse")
+
+  @jax.jit
+  def f(q, k, v, do, dl, *offsets):
+    cu_q, cu_k = offsets if traced else cu
+    attention = lambda q, k, v: jax_padsafe.varlen_attention(q, k, v, cu_q, cu_k, **args)  # noqa: E731
+    if not grads:
+      return attention(q, k, v)
+    (o, lse), vjp = jax.vjp(attention, q, k, v)
+    return (o, lse) + vjp((do, dl))
+
+  return lambda *a: dict(zip(names, f(*a, *(cu if traced else ()))))
+
+
+def run_packed(d, dtype, runner, poison, rng, d_out, d_lse):
+  """Runs ``runner`` (from :func:`make_packed_runner`) with every padded row of q, k, v, dO, dlse poisoned."""
+  qv, kv = d["valid_q"][None], d["valid_k"][None]
+  q = jnp.asarray(poison_rows(d["q"][None], qv, poison, rng)[0], dtype)
+  k = jnp.asarray(poison_rows(d["k"][None], kv, poison, rng)[0], dtype)
+  v = jnp.asarray(poison_rows(d["v"][None], kv, poison, rng)[0], dtype)
+  do = jnp.asarray(poison_rows(d_out[None], qv, poison, rng)[0], dtype)
+  dl = jnp.asarray(np.where(d["valid_q"][None], d_lse, poison_like(d_lse.shape, poison, rng)), jnp.float32)
+  return {n: np.asarray(x) for n, x in runner(q, k, v, do, dl).items()}
+
+
+def assert_packed_zeros(d, ours, ref):
+  """The exact zeros of the packed layout: padded rows (lead, gaps, tail) of every result, valid rows
+  without a visible key (out, dq; their lse is -inf, checked with the oracle), keys no query sees."""
+  vq, vk = d["valid_q"], d["valid_k"]
+  assert np.all(ours["out"][~vq] == 0), "padded output rows must be exactly 0"
+  assert np.all(ours["lse"][:, ~vq] == 0), "padded lse rows must be exactly 0"
+  empty = ref["empty"].T                              # [total_q, N]
+  assert np.all(ours["out"][empty] == 0), "valid rows with no visible key need output exactly 0"
+  assert np.all(np.isfinite(np.where(empty.T, 0.0, ours["lse"]))), "lse may be -inf only for valid empty rows"
+  for name in ("out", "dq", "dk", "dv"):
+    if name in ours:
+      assert np.all(np.isfinite(ours[name])), f"{name} holds NaN/Inf"
+  if "dq" in ours:
+    assert np.all(ours["dq"][~vq] == 0), "padded dQ rows must be exactly 0"
+    assert np.all(ours["dq"][empty] == 0), "dQ of valid rows with no visible key must be exactly 0"
+    for name in ("dk", "dv"):
+      assert np.all(ours[name][~vk] == 0), f"padded {name} rows must be exactly 0"
+      assert np.all(ours[name][~ref["seen"]] == 0), f"{name} of keys no valid query sees must be exactly 0"
+
+
+def check_packed(d, dtype, impl, rng, *, poisons=POISONS, grads=True, dirty=False):
+  """The whole contract on one packed problem from :func:`build_packed`: oracle (the accuracy rule),
+  exact zeros in the lead, gaps and tail, bitwise invariance under every poison value (and with
+  ``dirty`` on dirty memory, as :func:`check_problem`).  Returns ``(results, ref64)``."""
+  total_q = len(d["valid_q"])
+  n, h = d["q"].shape[1:]
+  d_out = rng.standard_normal((total_q, n, h))
+  d_lse = rng.standard_normal((n, total_q))
+  runner = make_packed_runner(d, impl, grads=grads)
+  base = run_packed(d, dtype, runner, "zero", rng, d_out, d_lse)
+  pp = d["packed"]
+  if d.get("bound") is not None:  # rows past the bound are padding (no layout here has used rows past it)
+    assert np.all(pp.used_q <= d["bound"]) and np.all(pp.used_k <= d["bound"])
+  ref, naive = oracle.expected(pp, dtype, d_out, d_lse) if grads else oracle.expected(pp, dtype)
+  oracle.assert_close(base, ref, naive, dtype, list(base))
+  assert_packed_zeros(d, base, ref)
+  for poison in poisons:
+    poisoned = run_packed(d, dtype, runner, poison, rng, d_out, d_lse)
+    for name in base:
+      assert_bitwise_equal(poisoned[name], base[name], f"packed {name} with {poison} in the padding")
+  if dirty:
+    dirty_memory(base)
+    again = run_packed(d, dtype, runner, "zero", rng, d_out, d_lse)
+    for name in base:
+      assert_bitwise_equal(again[name], base[name], f"packed {name} on dirty memory")
   return base, ref
 
 
@@ -250,7 +350,7 @@ def check_problem(p: oracle.Problem, dtype, impl, *, poisons=POISONS, seed=0, gr
 def standin_flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *,
                           max_seqlen_q, max_seqlen_k, scale, causal, bottom_right, window_left,
                           window_right, softcap):
-  """Pure-JAX stand-in with the signature of ``jax_padsafe._cute.ops.flash_forward``."""
+  """Pure-JAX stand-in with the signature of ``jax_padsafe._backends.cute.forward.flash_forward``."""
   del max_seqlen_q, max_seqlen_k
   return jax_padsafe.varlen_attention(
       q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, scale=scale,
@@ -261,7 +361,7 @@ def standin_flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, sequse
 
 def standin_flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q,
                            seqused_k, *, deterministic=False, **static):
-  """Pure-JAX stand-in with the signature of ``jax_padsafe._cute.bwd_ops.flash_backward``."""
+  """Pure-JAX stand-in with the signature of ``jax_padsafe._backends.cute.backward.flash_backward``."""
   del o, lse, deterministic
   fwd = lambda q, k, v: standin_flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
                                               seqused_k, **static)

@@ -1,21 +1,47 @@
-"""Float64 NumPy oracle for the pad-safety contract.
+"""The float64 NumPy oracle of the pad-safety contract, and its one accuracy rule.
 
-It reads only valid data: every input is first copied into a fresh zero array through the validity
-masks, so poisoned padding cannot reach it. Forward and gradients (for the loss
-``sum(out * d_out) + sum(lse * d_lse)``) are computed from the textbook formulas on full
-``[B, N, T, S]`` logits, independently of the blockwise code under test.
+Everything the test suite knows about the right answer lives here, written from the contract's text
+and independently of the library (it imports nothing from ``jax_padsafe``):
+
+* :class:`Problem` (padded layout ``[B, T, N, H]``) and :class:`PackedProblem` (packed layout with
+  ``cu_seqlens`` / ``seqused``, reduced one sequence at a time to a one-row :class:`Problem`) say
+  which rows are valid and which keys each query sees (:meth:`Problem.visible`: the contract's
+  visibility rule, written once for the tests).
+* :func:`reference` / :func:`reference_packed`: forward and gradients of the loss
+  ``sum(out * d_out) + sum(lse * d_lse)`` from the textbook formulas on the valid data only. Every
+  input is first copied into a fresh zero array through the validity masks, so poisoned padding
+  cannot reach the oracle.  With ``lowp=dtype`` the same formulas give the *naive* attention of the
+  accuracy rule: float32 arithmetic (float32 accumulation in every matrix product) with the results
+  of each product rounded to ``dtype`` where a plain attention in that dtype holds them (scores,
+  probabilities, output, dP, dS, gradients), as ``jax.nn.dot_product_attention`` in ``dtype`` does.
+* :func:`expected`: both on the inputs exactly as the implementation receives them (rounded to its
+  dtype), and :func:`assert_close`, the contract's rule
+
+      max |ours - ref64| <= 2 * max |naive_lowp - ref64| + eps
+
+  FlashAttention's tests use the same rule; their ``eps`` is twice the rounding error of the output
+  dtype at the outputs' magnitude, and so is ours: ``eps = (2 * eps(out_dtype) + 32 * eps(float32))
+  * max(1, max|ref64|)``, where ``out_dtype`` is the dtype the result is returned in (the input
+  dtype for O and the gradients, float32 for lse and dbias) and the float32 term covers blockwise
+  float32 accumulation in another order than the naive product's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
+
+
+def round_to(x, dtype):
+  """``x`` as float64 holding exactly the values of ``x`` rounded to ``dtype`` (round to nearest even)."""
+  return np.asarray(np.asarray(x, np.float64).astype(np.dtype(dtype)), np.float64)
 
 
 @dataclasses.dataclass
 class Problem:
-  """A padded-layout problem in NumPy; packed tests convert to it."""
+  """A padded-layout problem in NumPy."""
   q: np.ndarray            # [B, T, N, H]
   k: np.ndarray            # [B, S, K, H]
   v: np.ndarray            # [B, S, K, H]
@@ -36,28 +62,35 @@ class Problem:
     b, t, n, h = self.q.shape
     return b, t, n, h, self.k.shape[1], self.k.shape[2]
 
+  def rounded(self, dtype):
+    """The problem as an implementation sees it: q, k, v rounded to ``dtype``, a bias to float32."""
+    bias = None if self.bias is None else round_to(self.bias, np.float32)
+    return dataclasses.replace(self, q=round_to(self.q, dtype), k=round_to(self.k, dtype),
+                               v=round_to(self.v, dtype), bias=bias)
+
   def q_valid(self):
     b, t = self.q.shape[:2]
-    valid = np.arange(t)[None, :] < self.q_len[:, None]
+    valid = np.arange(t)[None, :] < np.asarray(self.q_len)[:, None]
     if self.q_ids is not None:
       valid &= self.q_ids >= 0
     return valid
 
   def k_valid(self):
     b, s = self.k.shape[:2]
-    valid = np.arange(s)[None, :] < self.kv_len[:, None]
+    valid = np.arange(s)[None, :] < np.asarray(self.kv_len)[:, None]
     if self.kv_ids is not None:
       valid &= self.kv_ids >= 0
     return valid
 
   def visible(self):
-    """[B, N, T, S] boolean visibility (the contract's rule, written independently)."""
+    """[B, N, T, S] boolean: key j visible to query i (the contract's rule)."""
     b, t, n, h, s, kh = self.shape
     qv, kv = self.q_valid(), self.k_valid()
     vis = qv[:, :, None] & kv[:, None, :]
     if self.q_ids is not None:
       vis &= self.q_ids[:, :, None] == self.kv_ids[:, None, :]
-    off = (self.kv_len - self.q_len) if self.bottom_right else np.zeros_like(self.q_len)
+    q_len, kv_len = np.asarray(self.q_len), np.asarray(self.kv_len)
+    off = (kv_len - q_len) if self.bottom_right else np.zeros_like(q_len)
     i = np.arange(t)[None, :, None] + off[:, None, None]
     j = np.arange(s)[None, None, :]
     if self.causal:
@@ -82,62 +115,216 @@ def _clean(x, valid):
   return out
 
 
-def _expand_kv(x, n):
-  return np.repeat(x, n // x.shape[2], axis=2)
-
-
-def reference(p: Problem, d_out=None, d_lse=None):
-  """Returns ``dict(out, lse[, dq, dk, dv, dbias])`` in float64 (padded rows exactly 0)."""
-  b, t, n, h, s, kh = p.shape
-  scale = p.scale if p.scale is not None else 1.0 / np.sqrt(h)
-  qv, kv = p.q_valid(), p.k_valid()
-  q = _clean(p.q, qv)
-  k = _expand_kv(_clean(p.k, kv), n)
-  v = _expand_kv(_clean(p.v, kv), n)
-  vis = p.visible()
-
-  raw = np.einsum("btnh,bsnh->bnts", q, k) * scale
-  if p.softcap is not None:
-    th = np.tanh(raw / p.softcap)
-    logits = p.softcap * th
-  else:
-    logits = raw
-  if p.bias is not None:
-    bias = np.broadcast_to(np.asarray(p.bias, np.float64), (b, n, t, s))
-    logits = logits + np.where(vis, bias, 0.0)
-  masked = np.where(vis, logits, -np.inf)
-  has = vis.any(-1)
-  mx = np.where(has, masked.max(-1, initial=-np.inf), 0.0)
-  e = np.where(vis, np.exp(np.where(vis, masked, 0.0) - mx[..., None]), 0.0)
-  l = e.sum(-1)
-  l_safe = np.where(has, l, 1.0)
-  prob = e / l_safe[..., None]
-  out = np.einsum("bnts,bsnh->btnh", prob, v)
-  lse = np.where(has, mx + np.log(l_safe), np.where(qv[:, None, :], -np.inf, 0.0))
-  result = dict(out=out, lse=lse, visible=vis)
-  if d_out is None:
-    return result
-
-  do = _clean(d_out, qv)
-  dl = np.where(qv[:, None, :] & has, np.asarray(d_lse, np.float64), 0.0) if d_lse is not None \
-      else np.zeros((b, n, t))
-  dv = np.einsum("bnts,btnh->bsnh", prob, do)
-  dp = np.einsum("btnh,bsnh->bnts", do, v)
-  delta = np.einsum("btnh,btnh->bnt", do, out) - dl
-  ds = np.where(vis, prob * (dp - delta[..., None]), 0.0)
-  dbias = None
-  if p.bias is not None:
-    dbias = ds
-    for axis in range(4):
-      if p.bias.shape[axis] == 1:
-        dbias = dbias.sum(axis=axis, keepdims=True)
-  if p.softcap is not None:
-    ds = ds * (1 - th * th)
-  ds = ds * scale
-  dq = np.einsum("bnts,bsnh->btnh", ds, k)
-  dk = np.einsum("bnts,btnh->bsnh", ds, q)
+def _rows(p: Problem, b, vis, q, k, v, bias, do, dl, lowp):
+  """Forward (and, with ``do``, backward) of batch row ``b``, heads first: q/do [N, T, H], k/v [K, S, H],
+  vis [N, T, S], dl [N, T]; float64, or float32 rounded to ``lowp`` as a plain attention in it."""
+  ft = np.float64 if lowp is None else np.float32
+  rnd = (lambda x: x) if lowp is None else (lambda x: round_to(x, lowp).astype(ft))
+  n, t, h = q.shape
+  kh = k.shape[0]
   g = n // kh
-  dk = dk.reshape(b, s, kh, g, h).sum(3)
-  dv = dv.reshape(b, s, kh, g, h).sum(3)
-  result.update(dq=dq, dk=dk, dv=dv, dbias=dbias)
+  scale = p.scale if p.scale is not None else 1.0 / np.sqrt(h)
+  q, k, v = q.astype(ft), np.repeat(k, g, axis=0).astype(ft), np.repeat(v, g, axis=0).astype(ft)
+  s = rnd(np.matmul(q, k.transpose(0, 2, 1))) * ft(scale)
+  th = None
+  if p.softcap is not None:
+    th = np.tanh(s / ft(p.softcap))
+    s = ft(p.softcap) * th
+  if bias is not None:
+    s = s + np.where(vis, bias, 0.0).astype(ft)
+  has = vis.any(-1)
+  mx = np.where(has, np.where(vis, s, -np.inf).max(-1, initial=-np.inf), 0.0).astype(ft)
+  with np.errstate(over="ignore"):  # hidden entries may overflow; the select drops them
+    e = np.where(vis, np.exp(np.where(vis, s, 0.0) - mx[..., None]), 0.0).astype(ft)
+  l = np.where(has, e.sum(-1), 1.0).astype(ft)
+  prob = e / l[..., None]
+  prob_lp = rnd(prob)
+  out = rnd(np.matmul(prob_lp, v))
+  lse = np.where(has, mx + np.log(l), -np.inf)
+  res = dict(out=out, lse=lse)
+  if do is None:
+    return res
+  do = do.astype(ft)
+  fold = lambda x: x.reshape(kh, g, *x.shape[1:]).sum(1)  # noqa: E731  (query heads -> their kv head)
+  dp = rnd(np.matmul(do, v.transpose(0, 2, 1)))
+  delta = np.where(has, (prob * dp).sum(-1) - dl, 0.0).astype(ft)
+  ds = np.where(vis, prob * (dp - delta[..., None]), 0.0).astype(ft)
+  res["ds_logits"] = ds
+  if th is not None:
+    ds = ds * (1 - th * th)
+  ds = rnd(ds * ft(scale))
+  res["dq"] = rnd(np.matmul(ds, k))
+  res["dk"] = rnd(fold(np.matmul(ds.transpose(0, 2, 1), q)))
+  res["dv"] = rnd(fold(np.matmul(prob_lp.transpose(0, 2, 1), do)))
+  return res
+
+
+def reference(p: Problem, d_out=None, d_lse=None, *, lowp=None):
+  """``dict(out, lse, visible, empty, seen[, dq, dk, dv, dbias])`` of ``p``, float64 arrays.
+
+  ``out``/``dq`` [B, T, N, H], ``lse`` [B, N, T], ``dk``/``dv`` [B, S, K, H], ``dbias`` the bias' shape.
+  Padded rows are exactly 0 (lse too); valid rows that see no key have out 0, lse -inf, dq 0.
+  ``empty`` [B, N, T]: valid rows with no visible key; ``seen`` [B, S, K]: keys some valid query sees.
+  ``lowp``: the naive attention in that dtype instead of float64 (see the module docstring)."""
+  b, t, n, h, s, kh = p.shape
+  qv, kv = p.q_valid(), p.k_valid()
+  q, k, v = _clean(p.q, qv), _clean(p.k, kv), _clean(p.v, kv)
+  vis = p.visible()
+  grads = d_out is not None
+  if grads:
+    do = _clean(d_out, qv)
+    dl = np.zeros((b, n, t)) if d_lse is None else np.where(qv[:, None, :], np.asarray(d_lse, np.float64), 0.0)
+  bias = None if p.bias is None else np.broadcast_to(np.asarray(p.bias, np.float64), (b, n, t, s))
+  out = np.zeros((b, t, n, h))
+  lse = np.zeros((b, n, t))
+  if grads:
+    dq, dk, dv = np.zeros((b, t, n, h)), np.zeros((b, s, kh, h)), np.zeros((b, s, kh, h))
+    ds_logits = np.zeros((b, n, t, s))
+  heads = lambda x: x.transpose(1, 0, 2)  # noqa: E731  [rows, heads, H] <-> [heads, rows, H]
+  for r in range(b):
+    res = _rows(p, r, vis[r], heads(q[r]), heads(k[r]), heads(v[r]), None if bias is None else bias[r],
+                heads(do[r]) if grads else None, dl[r] if grads else None, lowp)
+    out[r] = heads(res["out"])
+    lse[r] = np.where(qv[r][None, :], res["lse"], 0.0)
+    if grads:
+      dq[r], dk[r], dv[r] = heads(res["dq"]), heads(res["dk"]), heads(res["dv"])
+      ds_logits[r] = res["ds_logits"]
+  empty = qv[:, None, :] & ~vis.any(-1)
+  seen = vis.reshape(b, kh, n // kh, t, s).any(axis=(2, 3)).transpose(0, 2, 1)
+  result = dict(out=out, lse=lse, visible=vis, empty=empty, seen=seen)
+  if grads:
+    dbias = None
+    if p.bias is not None:
+      dbias = ds_logits
+      for axis in range(4):
+        if p.bias.shape[axis] == 1:
+          dbias = dbias.sum(axis=axis, keepdims=True)
+      if lowp is not None:  # the naive attention's dbias is float32 (summed over broadcast dims in float32)
+        dbias = round_to(dbias, np.float32)
+    result.update(dq=dq, dk=dk, dv=dv, dbias=dbias)
   return result
+
+
+@dataclasses.dataclass
+class PackedProblem:
+  """A packed-layout problem: sequence b owns rows ``cu_q[b] .. cu_q[b] + used_q[b] - 1`` of q (and
+  likewise of k, v); every other row (a sequence's unused rows, rows before ``cu[0]`` or at and past
+  ``cu[-1]``) is padding."""
+  q: np.ndarray            # [total_q, N, H]
+  k: np.ndarray            # [total_k, K, H]
+  v: np.ndarray            # [total_k, K, H]
+  cu_q: np.ndarray         # [B + 1]
+  cu_k: np.ndarray         # [B + 1]
+  used_q: np.ndarray       # [B]
+  used_k: np.ndarray       # [B]
+  causal: bool = False
+  window: tuple | None = None
+  softcap: float | None = None
+  scale: float | None = None
+  bottom_right: bool = False
+
+  def rounded(self, dtype):
+    return dataclasses.replace(self, q=round_to(self.q, dtype), k=round_to(self.k, dtype),
+                               v=round_to(self.v, dtype))
+
+  def _valid(self, cu, used, total):
+    valid = np.zeros(total, bool)
+    for b in range(len(used)):
+      valid[cu[b]:cu[b] + used[b]] = True
+    return valid
+
+  def q_valid(self):
+    return self._valid(self.cu_q, self.used_q, self.q.shape[0])
+
+  def k_valid(self):
+    return self._valid(self.cu_k, self.used_k, self.k.shape[0])
+
+  def q_rows(self, b):
+    return slice(int(self.cu_q[b]), int(self.cu_q[b]) + int(self.used_q[b]))
+
+  def k_rows(self, b):
+    return slice(int(self.cu_k[b]), int(self.cu_k[b]) + int(self.used_k[b]))
+
+  def sequence(self, b) -> Problem:
+    """Sequence b's valid rows as a padded problem of one batch row."""
+    qs, ks = self.q_rows(b), self.k_rows(b)
+    return Problem(q=self.q[qs][None], k=self.k[ks][None], v=self.v[ks][None],
+                   q_len=np.array([qs.stop - qs.start]), kv_len=np.array([ks.stop - ks.start]),
+                   causal=self.causal, window=self.window, softcap=self.softcap, scale=self.scale,
+                   bottom_right=self.bottom_right)
+
+  def padded(self) -> Problem:
+    """All sequences as one padded problem (batch row b = sequence b, padded to the longest)."""
+    nseq = len(self.used_q)
+    t, s = max(1, int(np.max(self.used_q, initial=0))), max(1, int(np.max(self.used_k, initial=0)))
+    n, h = self.q.shape[1:]
+    kh = self.k.shape[1]
+    q, k, v = np.zeros((nseq, t, n, h)), np.zeros((nseq, s, kh, h)), np.zeros((nseq, s, kh, h))
+    for b in range(nseq):
+      qs, ks = self.q_rows(b), self.k_rows(b)
+      q[b, :qs.stop - qs.start] = self.q[qs]
+      k[b, :ks.stop - ks.start] = self.k[ks]
+      v[b, :ks.stop - ks.start] = self.v[ks]
+    return Problem(q=q, k=k, v=v, q_len=np.asarray(self.used_q), kv_len=np.asarray(self.used_k),
+                   causal=self.causal, window=self.window, softcap=self.softcap, scale=self.scale,
+                   bottom_right=self.bottom_right)
+
+
+def reference_packed(pp: PackedProblem, d_out=None, d_lse=None, *, lowp=None):
+  """:func:`reference` in the packed layout, one sequence at a time: ``out``/``dq`` [total_q, N, H],
+  ``lse``/``empty`` [N, total_q], ``dk``/``dv`` [total_k, K, H], ``seen`` [total_k, K]."""
+  total_q, n, h = pp.q.shape
+  total_k, kh = pp.k.shape[:2]
+  res = dict(out=np.zeros((total_q, n, h)), lse=np.zeros((n, total_q)), empty=np.zeros((n, total_q), bool),
+             seen=np.zeros((total_k, kh), bool))
+  if d_out is not None:
+    res.update(dq=np.zeros((total_q, n, h)), dk=np.zeros((total_k, kh, h)), dv=np.zeros((total_k, kh, h)))
+  for b in range(len(pp.used_q)):
+    qs, ks = pp.q_rows(b), pp.k_rows(b)
+    if qs.stop == qs.start:
+      continue
+    p = pp.sequence(b)
+    r = reference(p, None if d_out is None else d_out[qs][None],
+                  None if d_lse is None else d_lse[:, qs][None], lowp=lowp)
+    res["out"][qs], res["lse"][:, qs], res["empty"][:, qs] = r["out"][0], r["lse"][0], r["empty"][0]
+    res["seen"][ks] = r["seen"][0]
+    if d_out is not None:
+      res["dq"][qs], res["dk"][ks], res["dv"][ks] = r["dq"][0], r["dk"][0], r["dv"][0]
+  return res
+
+
+def expected(p, dtype, d_out=None, d_lse=None):
+  """``(ref64, naive)`` for a :class:`Problem` or :class:`PackedProblem` run in ``dtype``: both computed
+  on the inputs as the implementation receives them (q, k, v and d_out rounded to ``dtype``, d_lse
+  and a bias to float32)."""
+  p = p.rounded(dtype)
+  do = None if d_out is None else round_to(d_out, dtype)
+  dl = None if d_lse is None else round_to(d_lse, np.float32)
+  fn = reference_packed if isinstance(p, PackedProblem) else reference
+  return fn(p, do, dl), fn(p, do, dl, lowp=dtype)
+
+
+# The dtype each result is returned in, where it is not the input dtype.
+_FLOAT32_RESULTS = ("lse", "dbias")
+
+
+def assert_close(ours, ref, naive, dtype, names):
+  """The contract's accuracy rule, ``max|ours - ref64| <= 2 * max|naive_lowp - ref64| + eps``, over the
+  finite reference entries of each result in ``names``; non-finite entries (lse = -inf of valid rows
+  without keys) must match exactly."""
+  for name in names:
+    r = np.asarray(ref[name], np.float64)
+    a = np.asarray(ours[name], np.float64)
+    assert a.shape == r.shape, f"{name}: shape {a.shape}, expected {r.shape}"
+    finite = np.isfinite(r)
+    assert np.array_equal(np.isfinite(a), finite), f"{name}: non-finite entries differ from the oracle"
+    assert np.array_equal(a[~finite], r[~finite]), f"{name}: infinite entries differ from the oracle"
+    if not finite.any():
+      continue
+    err = np.max(np.abs(a[finite] - r[finite]))
+    naive_err = np.max(np.abs(np.asarray(naive[name], np.float64)[finite] - r[finite]))
+    out_dtype = np.float32 if name in _FLOAT32_RESULTS else dtype
+    eps = (2 * float(ml_dtypes.finfo(out_dtype).eps) + 32 * float(np.finfo(np.float32).eps)) * max(
+        1.0, float(np.max(np.abs(r[finite]))))
+    assert err <= 2 * naive_err + eps, (
+        f"{name}: max error {err:.3g} > 2 * naive {naive_err:.3g} + eps {eps:.3g}")

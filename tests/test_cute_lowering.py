@@ -8,16 +8,16 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jax_padsafe._cute import ops
+from jax_padsafe._backends.cute import forward, library
 
 
 @pytest.fixture(autouse=True)
 def _default_variant_matrix(monkeypatch, tmp_path):
     """Judge support by the default build matrix, not by whatever library this machine has built."""
     monkeypatch.setenv("JAX_PADSAFE_CUTE_LIB", str(tmp_path / "absent.so"))
-    ops._load.cache_clear()
+    library._load.cache_clear()
     yield
-    ops._load.cache_clear()
+    library._load.cache_clear()
 
 
 def _args(total_q=10, total_k=12, n=28, kh=4, h=128, b=2, dtype=jnp.bfloat16):
@@ -32,7 +32,7 @@ def _fwd(**kw):
     opts = dict(max_seqlen_q=6, max_seqlen_k=7, scale=0.125, causal=True, bottom_right=True,
                 window_left=-1, window_right=-1, softcap=0.0)
     opts.update(kw)
-    return lambda *a: ops.flash_forward(*a, **opts)
+    return lambda *a: forward.flash_forward(*a, **opts)
 
 
 def _lower(f, *args):
@@ -46,7 +46,7 @@ def test_custom_call_operands(dtype, tname, h):
     calls = re.findall(r"stablehlo\.custom_call @(\w+)\((.*?)\) \{(.*?)\} : \((.*?)\) -> \((.*?)\)", text)
     assert len(calls) == 1, text
     target, _, attrs, operands, results = calls[0]
-    assert target == ops.TARGET_NAME == "jax_padsafe_fwd"
+    assert target == forward.TARGET_NAME == "jax_padsafe_fwd"
     assert [s.strip() for s in operands.split(",")] == [
         f"tensor<10x28x{h}x{tname}>", f"tensor<12x4x{h}x{tname}>", f"tensor<12x4x{h}x{tname}>",
         "tensor<3xi32>", "tensor<3xi32>", "tensor<2xi32>", "tensor<2xi32>"]
@@ -93,18 +93,55 @@ def test_bad_inputs_raise():
 def test_unsupported_reason():
     base = dict(dtype=jnp.bfloat16, head_dim=128, head_dim_v=128, num_heads=28, num_kv_heads=4, causal=True,
                 window=None, softcap=0.0, has_bias=False)
-    assert ops.unsupported_reason(**base) is None
-    assert ops.unsupported_reason(**{**base, "dtype": jnp.float16}) is None
+    assert library.unsupported_reason(**base) is None
+    assert library.unsupported_reason(**{**base, "dtype": jnp.float16}) is None
     for bad in ({"dtype": jnp.float32}, {"head_dim": 80, "head_dim_v": 80}, {"head_dim_v": 64}, {"has_bias": True},
                 {"num_kv_heads": 5}):
-        reason = ops.unsupported_reason(**{**base, **bad})
+        reason = library.unsupported_reason(**{**base, **bad})
         assert isinstance(reason, str) and reason
 
 
 def test_library_available_never_raises(monkeypatch, tmp_path):
-    assert isinstance(ops.library_available(), bool)
+    assert isinstance(library.library_available(), bool)
     bogus = tmp_path / "nope.so"
     bogus.write_bytes(b"not an ELF file")
     monkeypatch.setenv("JAX_PADSAFE_CUTE_LIB", str(bogus))
-    ops._load.cache_clear()
-    assert ops.library_available() is False
+    library._load.cache_clear()
+    assert library.library_available() is False
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["plain", "vmap"])
+@pytest.mark.parametrize("scale", [0.1, -0.1, 0.0])
+def test_backward_lowers_to_one_call(scale, batched):
+    """flash_backward lowers to one jax_padsafe_bwd custom call on the 11 operands (q, k, v, o, lse, dO, dlse and
+    the four offset vectors), also under vmap (sequential) and for negative and zero scales."""
+    from jax_padsafe._backends.cute import backward
+    q = jnp.zeros((40, 4, 128), jnp.bfloat16)
+    k = jnp.zeros((30, 2, 128), jnp.bfloat16)
+    lse = jnp.zeros((4, 40), jnp.float32)
+    cu_q, cu_k = jnp.array([0, 20, 40], jnp.int32), jnp.array([0, 10, 30], jnp.int32)
+    used = jnp.array([20, 10], jnp.int32)
+    f = lambda q, k, v, o, l, do, dl: backward.flash_backward(  # noqa: E731
+        q, k, v, o, l, do, dl, cu_q, cu_k, used, used, max_seqlen_q=20, max_seqlen_k=20, scale=scale, causal=True,
+        bottom_right=True, window_left=8, window_right=-1, softcap=5.0, deterministic=True)
+    args = (q, k, k, q, lse, q, lse)
+    if batched:
+        f, args = jax.vmap(f), tuple(jnp.stack([x, x]) for x in args)
+    calls = [ln for ln in _lower(f, *args).splitlines() if "custom_call @jax_padsafe_bwd" in ln]
+    assert len(calls) == 1, calls
+    assert "deterministic = 1" in calls[0]
+    operands = calls[0].rsplit(" : (", 1)[1].split(") -> (")[0]
+    assert operands.count("tensor<") == 11, operands
+
+
+def test_backward_rejects_float32():
+    from jax_padsafe._backends.cute import backward
+    q = jnp.zeros((40, 4, 128), jnp.float32)
+    k = jnp.zeros((30, 2, 128), jnp.float32)
+    lse = jnp.zeros((4, 40), jnp.float32)
+    cu_q, cu_k = jnp.array([0, 20, 40], jnp.int32), jnp.array([0, 10, 30], jnp.int32)
+    used = jnp.array([20, 10], jnp.int32)
+    with pytest.raises(NotImplementedError):
+        backward.flash_backward(q, k, k, q, lse, q, lse, cu_q, cu_k, used, used, max_seqlen_q=20, max_seqlen_k=20,
+                                scale=0.1, causal=False, bottom_right=False, window_left=-1, window_right=-1,
+                                softcap=0.0)

@@ -7,9 +7,11 @@ documents, bias and boolean masks (pure-JAX path), all head dims (GPU kernels). 
 against the float64 oracle (accuracy rule), for exact zeros, and for bitwise invariance under every
 poison value (``helpers.check_problem``).
 
-Cases are reproducible from their seed; the GPU cases draw only what the kernels support (no bias
-or mask, head dims 64..256, bf16/fp16, segment layouts the kernels can express), so that
-``implementation="cute"`` never falls back or raises.
+Cases are reproducible from their seed.  The draws for the GPU kernels (``impl="cute"``) take only
+what the kernels support (no bias or mask, head dims 64..256, bf16/fp16, segment layouts the kernels
+can express), so that ``implementation="cute"`` never falls back or raises; ``tests/gpu/test_fuzz.py``
+runs them on a GPU from fresh seeds, and :func:`test_gpu_draws_reach_the_kernels` checks here, on the
+CPU, that such draws lower to the kernels.
 """
 
 import jax
@@ -19,12 +21,10 @@ import pytest
 
 import jax_padsafe
 from tests import helpers
-from tests import test_varlen
-from tests.conftest import _cute_ready
 from tests.test_dispatch import _lowered, _targets
 
 CPU_SEEDS = range(12)
-GPU_SEEDS = range(100, 132)
+GPU_SEEDS = range(100, 132)  # draws whose lowering test_gpu_draws_reach_the_kernels checks
 
 
 def _lengths(rng, b, n_max):
@@ -46,7 +46,7 @@ def _contiguous_ids(rng, b, length, n_docs):
 
 def draw_problem(seed, impl, max_len=None):
   """A random dense problem; sequence lengths below ``max_len`` (default 200 on the kernels, 70 in pure JAX;
-  ``tests/gpu/check_fuzz.py`` draws longer ones, spanning several tiles and CTAs)."""
+  ``tests/gpu/test_fuzz.py`` also draws longer ones, spanning several tiles and CTAs)."""
   rng = np.random.default_rng(seed)
   gpu = impl == "cute"
   top = max_len or (200 if gpu else 70)
@@ -106,20 +106,20 @@ def draw_packed(seed, impl, max_len=None):
     kw["window"] = (int(rng.integers(0, w)), None if rng.random() < 0.5 else int(rng.integers(0, w)))
   if rng.random() < 0.3:
     kw["softcap"] = float(rng.uniform(2.0, 50.0))
-  d = test_varlen.build(rng, caps_q, used_q, caps_k, used_k, tail_q=int(rng.integers(0, 9)),
+  d = helpers.build_packed(rng, caps_q, used_q, caps_k, used_k, tail_q=int(rng.integers(0, 9)),
                         tail_k=int(rng.integers(0, 9)), n=kh * int(rng.choice([1, 2])), k=kh,
                         h=int(rng.choice([64, 128, 256] if gpu else [32, 64])), **kw)
   dtype = rng.choice([jnp.bfloat16, jnp.float16] + ([] if gpu else [jnp.float32]))
   # Half the draws leave max_seqlen_q / max_seqlen_k at their default, the packed length (all a jitted step
   # with traced offsets knows): the kernels then size their grids from the buffer and may take the compact
-  # tile schedule (kernels/bounds.py), whose holes and searches a tight bound never reaches.
+  # tile schedule (kernels/common/bounds.py), whose holes and searches a tight bound never reaches.
   d["loose_bounds"] = bool(rng.random() < 0.5)
   return d, dtype, rng
 
 
 def _run_packed(seed, impl):
   d, dtype, rng = draw_packed(seed, impl)
-  test_varlen.check_packed(d, dtype, impl, rng)
+  helpers.check_packed(d, dtype, impl, rng)
 
 
 def _run(seed, impl):
@@ -135,21 +135,6 @@ def test_random_contract_xla(seed):
 @pytest.mark.parametrize("seed", CPU_SEEDS[:6])
 def test_random_packed_contract_xla(seed):
   _run_packed(seed, "xla")
-
-
-_NO_GPU = pytest.mark.skipif(not _cute_ready()[0], reason=_cute_ready()[1] or "no GPU")
-
-
-@_NO_GPU
-@pytest.mark.parametrize("seed", GPU_SEEDS)
-def test_random_contract_cute(seed):
-  _run(seed, "cute")
-
-
-@_NO_GPU
-@pytest.mark.parametrize("seed", GPU_SEEDS[:16])
-def test_random_packed_contract_cute(seed):
-  _run_packed(seed, "cute")
 
 
 def _reaches_kernels(fn, dtype, *arrays):
@@ -172,7 +157,7 @@ def dense_reaches_kernels(p, dtype):
 
 def packed_reaches_kernels(d, dtype):
   """The same for a packed draw (``varlen_attention``)."""
-  kw = test_varlen.packed_kwargs(d, "cute")
+  kw = helpers.packed_kwargs(d, "cute")
   cu_q, cu_k = jnp.asarray(d["cu_q"]), jnp.asarray(d["cu_k"])
   fn = lambda q, k, v: jax_padsafe.varlen_attention(q, k, v, cu_q, cu_k, **kw)  # noqa: E731
   return _reaches_kernels(fn, dtype, d["q"], d["k"], d["v"])

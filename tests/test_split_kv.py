@@ -1,4 +1,4 @@
-"""CPU tests of the few-query-rows rewrite (``jax_padsafe._split_kv``: GQA heads packed into rows, keys
+"""CPU tests of the few-query-rows rewrite (``jax_padsafe._backends.cute.split_kv``: GQA heads packed into rows, keys
 split into chunks, partials merged through their lse), run on the pure-JAX stand-in of the kernels'
 packed forward: the float64 oracle, the contract's exact zeros and bitwise poison invariance; which
 calls qualify; and that the CUDA lowering of a decode call is one kernel call on the rewritten layout."""
@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 
 import jax_padsafe
-from jax_padsafe import _packing, _split_kv
-from jax_padsafe._spec import AttentionSpec
+from jax_padsafe._backends.cute import split_kv as _split_kv
+from jax_padsafe._core import problem
+from jax_padsafe._core.spec import AttentionSpec
 from tests import helpers, oracle
 
 
@@ -38,7 +39,7 @@ def _runner(p: oracle.Problem):
                 causal=p.causal, bottom_right=p.bottom_right, window_left=wl, window_right=wr,
                 softcap=p.softcap or 0.0, rows_covered=True)
   fwd = _split_kv.split_kv_to_runs(_standin)
-  runs = _packing.runs_from_lengths(jnp.asarray(p.q_len), jnp.asarray(p.kv_len))
+  runs = problem.runs_from_lengths(jnp.asarray(p.q_len), jnp.asarray(p.kv_len))
 
   @jax.jit
   def run(q, k, v, bias, do, dl):
@@ -76,11 +77,10 @@ def test_rewrite_keeps_the_contract(small_tiles, case):
   assert plan.changes_call  # the case exercises the rewrite, not the plain path
   runner = _runner(p)
   d_out, d_lse = helpers.cotangents(p, rng)
-  ref = oracle.reference(p, d_out, d_lse)
   for dtype in (jnp.float32, jnp.bfloat16):
     base = helpers.run_padded(p, dtype, runner, poison="zero", d_out=d_out, d_lse=d_lse, rng=rng)
-    naive = helpers.naive_lowp(p, dtype, d_out, d_lse)
-    helpers.assert_close_to_oracle(base, ref, naive, dtype, ["out", "lse"])
+    ref, naive = oracle.expected(p, dtype)
+    oracle.assert_close(base, ref, naive, dtype, ["out", "lse"])
     helpers.assert_contract_zeros(p, base, ref)
     for poison in helpers.POISONS:
       got = helpers.run_padded(p, dtype, runner, poison=poison, d_out=d_out, d_lse=d_lse, rng=rng)
@@ -124,36 +124,33 @@ def test_merge_partials_selects():
 
 
 def _spec(**kw):
-  base = dict(scale=0.1, dense_rows=True, max_seqlen_q=1, max_seqlen_k=64)
-  base.update(kw)
-  return AttentionSpec(**base)
+  return AttentionSpec(**dict(dict(scale=0.1), **kw))
+
+
+def _layout(layout="lengths", rows=1, kernel=True):
+  """A problem of ``layout`` with ``rows`` query rows per sequence (only its static facts matter)."""
+  z = jnp.zeros((1, 1), jnp.int32)
+  view = (problem.SeqLens if layout == "packed" else problem.Runs)(z, z, z, z) if kernel else None
+  return problem.Problem(z, z, z, z, view, layout=layout, max_seqlen_q=rows, max_seqlen_k=64)
 
 
 def test_eligible():
-  runs = dict(q_start=0, q_used=0, k_start=0, k_used=0)
-  assert _split_kv.eligible(_spec(), 4, runs)
+  assert _split_kv.eligible(_spec(), _layout(rows=4))
   # One row sees one contiguous key range whatever the mask.
-  assert _split_kv.eligible(_spec(causal=True, bottom_right=True), 1, runs)
-  assert _split_kv.eligible(_spec(causal=True), 1, runs)
-  assert _split_kv.eligible(_spec(window_left=8, causal=True, bottom_right=True), 1, runs)
+  assert _split_kv.eligible(_spec(causal=True, bottom_right=True), _layout())
+  assert _split_kv.eligible(_spec(causal=True), _layout())
+  assert _split_kv.eligible(_spec(window_left=8, causal=True, bottom_right=True), _layout())
   # Several rows: without causal masking or a window, or with bottom-right causal masking (the diagonal
   # becomes a call of its own); not top-left causal (a diagonal at the start) or a window.
-  assert _split_kv.eligible(_spec(causal=True, bottom_right=True), 2, runs)
-  assert not _split_kv.eligible(_spec(causal=True), 2, runs)
-  assert not _split_kv.eligible(_spec(window_left=8), 3, runs)
-  assert not _split_kv.eligible(_spec(window_left=8, causal=True, bottom_right=True), 3, runs)
-  assert not _split_kv.eligible(_spec(dense_rows=False), 1, runs)
-  packed = dict(cu_seqlens_q=0, cu_seqlens_k=0, seqused_q=0, seqused_k=0)
-  assert _split_kv.eligible(_spec(packed=True, dense_rows=False), 1, packed)
-  assert _split_kv.eligible(_spec(packed=True, dense_rows=False, causal=True, bottom_right=True), 1, packed)
-  assert not _split_kv.eligible(_spec(packed=True, dense_rows=False, causal=True), 2, packed)
-  assert not _split_kv.eligible(_spec(), 1, dict(runs, runs_exact=True))  # segment ids
-  assert not _split_kv.eligible(_spec(), 1, None)
-
-
-def test_env_switch(monkeypatch):
-  monkeypatch.setenv("JAX_PADSAFE_SPLIT_KV", "0")
-  assert not _split_kv.eligible(_spec(), 1, dict(q_start=0))
+  assert _split_kv.eligible(_spec(causal=True, bottom_right=True), _layout(rows=2))
+  assert not _split_kv.eligible(_spec(causal=True), _layout(rows=2))
+  assert not _split_kv.eligible(_spec(window_left=8), _layout(rows=3))
+  assert not _split_kv.eligible(_spec(window_left=8, causal=True, bottom_right=True), _layout(rows=3))
+  assert _split_kv.eligible(_spec(), _layout("packed"))
+  assert _split_kv.eligible(_spec(causal=True, bottom_right=True), _layout("packed"))
+  assert not _split_kv.eligible(_spec(causal=True), _layout("packed", rows=2))
+  assert not _split_kv.eligible(_spec(), _layout("segments"))  # segment ids: several runs per row
+  assert not _split_kv.eligible(_spec(), _layout(kernel=False))
 
 
 def _lower_decode(b, t, n, kh, s, **kw):
@@ -259,7 +256,7 @@ def test_sharded_decode_runs_shard_local(small_tiles, heads):
   """Batch- and head-sharded decode through the partitioned rewrite: each shard plans from its local
   shapes, no collective, results equal to the unsharded call."""
   from jax.sharding import PartitionSpec as P
-  from jax_padsafe import _partitioning
+  from jax_padsafe._backends import partitioning as _partitioning
   from tests.test_sharding import collectives, compile_for, make_mesh, place
 
   n, kh = heads
@@ -268,7 +265,7 @@ def test_sharded_decode_runs_shard_local(small_tiles, heads):
   q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
   k = jnp.asarray(rng.standard_normal((b, s, kh, h)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((b, s, kh, h)), jnp.float32)
-  runs = _packing.runs_from_lengths(jnp.array([1, 1, 0, 1], jnp.int32), jnp.array([96, 40, 7, 0], jnp.int32))
+  runs = problem.runs_from_lengths(jnp.array([1, 1, 0, 1], jnp.int32), jnp.array([96, 40, 7, 0], jnp.int32))
   static = dict(max_seqlen_q=t, max_seqlen_k=s, scale=0.25, causal=True, bottom_right=True, window_left=-1,
                 window_right=-1, softcap=0.0, rows_covered=True)
   rewrite = _split_kv.split_kv_to_runs(_standin)
@@ -299,11 +296,9 @@ PACKED_CASES = [  # caps_q, used_q, caps_k, used_k, extra problem fields: the pa
 
 @pytest.mark.parametrize("case", range(len(PACKED_CASES)))
 def test_packed_rewrite_keeps_the_contract(small_tiles, case):
-  from tests.test_varlen import build, packed_from_padded
-
   caps_q, used_q, caps_k, used_k, extra = PACKED_CASES[case]
   rng = np.random.default_rng(300 + case)
-  d = build(rng, caps_q, used_q, caps_k, used_k, n=8, k=2, h=16, **extra)
+  d = helpers.build_packed(rng, caps_q, used_q, caps_k, used_k, n=8, k=2, h=16, **extra)
   p = d["problem"]
   wl, wr = (-1 if w is None else w for w in (p.window or (None, None)))
   static = dict(max_seqlen_q=max(caps_q), max_seqlen_k=max(caps_k), scale=16 ** -0.5, causal=p.causal,
@@ -314,10 +309,6 @@ def test_packed_rewrite_keeps_the_contract(small_tiles, case):
   cu_q, cu_k = jnp.asarray(d["cu_q"]), jnp.asarray(d["cu_k"])
   uq, uk = jnp.asarray(d["used_q"], jnp.int32), jnp.asarray(d["used_k"], jnp.int32)
   fn = jax.jit(lambda q, k, v: rewrite(q, k, v, cu_q, cu_k, uq, uk, **static))
-  total_q = len(d["valid_q"])
-  ref = oracle.reference(p)
-  ref = dict(out=packed_from_padded(ref["out"], d["cu_q"], d["used_q"], total_q),
-             lse=packed_from_padded(ref["lse"].transpose(0, 2, 1), d["cu_q"], d["used_q"], total_q).T)
   for dtype in (jnp.float32, jnp.bfloat16):
     def run(poison):
       qv, kv = d["valid_q"][None], d["valid_k"][None]
@@ -325,12 +316,8 @@ def test_packed_rewrite_keeps_the_contract(small_tiles, case):
               for x, val in (("q", qv), ("k", kv), ("v", kv))]
       return dict(zip(("out", "lse"), (np.asarray(a) for a in fn(*args))))
     base = run("zero")
-    naive = {}
-    if dtype != jnp.float32:
-      nv = helpers.naive_lowp(p, dtype, np.zeros(p.q.shape), np.zeros((p.q.shape[0], 8, p.q.shape[1])))
-      naive = dict(out=packed_from_padded(nv["out"], d["cu_q"], d["used_q"], total_q),
-                   lse=packed_from_padded(nv["lse"].transpose(0, 2, 1), d["cu_q"], d["used_q"], total_q).T)
-    helpers.assert_close_to_oracle(base, ref, naive, dtype, ["out", "lse"])
+    ref, naive = oracle.expected(d["packed"], dtype)
+    oracle.assert_close(base, ref, naive, dtype, ["out", "lse"])
     assert np.all(base["out"][~d["valid_q"]] == 0) and np.all(base["lse"][:, ~d["valid_q"]] == 0)
     for poison in helpers.POISONS:
       got = run(poison)
@@ -367,13 +354,11 @@ PACKED_DECODE_CASES = [  # caps_q, used_q, caps_k, used_k, extra: real tiles (GP
 @pytest.mark.parametrize("case", range(len(PACKED_DECODE_CASES)))
 def test_packed_decode_contract(impl, case):
   """The whole packed-layout contract (gradients included) on decode shapes through varlen_attention."""
-  from tests.test_varlen import build, check_packed
-
   caps_q, used_q, caps_k, used_k, extra = PACKED_DECODE_CASES[case]
   rng = np.random.default_rng(400 + case)
-  d = build(rng, caps_q, used_q, caps_k, used_k, n=8, k=2, h=128, **extra)
+  d = helpers.build_packed(rng, caps_q, used_q, caps_k, used_k, n=8, k=2, h=128, **extra)
   p = d["problem"]
   wl, wr = (-1 if w is None else w for w in (p.window or (None, None)))
   static = dict(causal=p.causal, window_left=wl, window_right=wr)
   assert _split_kv._plan_for(static, len(caps_q), max(caps_q), 8, 2, max(caps_k)).changes_call
-  check_packed(d, helpers.dtype_for(impl, jnp.float32), impl, rng)
+  helpers.check_packed(d, helpers.dtype_for(impl, jnp.float32), impl, rng)

@@ -1,8 +1,3 @@
-"""GPU checks of the CuTe kernels (run on a CUDA machine; see scripts/gpu_check.sh)."""
-
-import os
-
-# Every output buffer the kernel library does not memset starts as NaN (ffi/jps_zero_rows.h): a row that no
-# kernel writes then fails the checks' exact-zero and reference comparisons instead of passing on whatever the
-# allocator left there.  Read once per process, before the first kernel call.
-os.environ.setdefault("JAX_PADSAFE_POISON_OUTPUTS", "1")
+"""The GPU test suite: every test here is marked ``gpu`` and skips itself without a CUDA GPU and a built kernel
+library.  ``pytest -m gpu tests`` on a CUDA machine runs it together with the ``implementation="cute"`` cases of
+the CPU suite (scripts/gpu_check.sh test)."""
