@@ -124,7 +124,8 @@ def _rows(p: Problem, b, vis, q, k, v, bias, do, dl, lowp):
   kh = k.shape[0]
   g = n // kh
   scale = p.scale if p.scale is not None else 1.0 / np.sqrt(h)
-  q, k, v = q.astype(ft), np.repeat(k, g, axis=0).astype(ft), np.repeat(v, g, axis=0).astype(ft)
+  # C-contiguous copies (the inputs are transposed views): NumPy hands those to BLAS.
+  q, k, v = (np.ascontiguousarray(x, ft) for x in (q, np.repeat(k, g, axis=0), np.repeat(v, g, axis=0)))
   s = rnd(np.matmul(q, k.transpose(0, 2, 1))) * ft(scale)
   th = None
   if p.softcap is not None:
@@ -144,7 +145,7 @@ def _rows(p: Problem, b, vis, q, k, v, bias, do, dl, lowp):
   res = dict(out=out, lse=lse)
   if do is None:
     return res
-  do = do.astype(ft)
+  do = np.ascontiguousarray(do, ft)
   fold = lambda x: x.reshape(kh, g, *x.shape[1:]).sum(1)  # noqa: E731  (query heads -> their kv head)
   dp = rnd(np.matmul(do, v.transpose(0, 2, 1)))
   delta = np.where(has, (prob * dp).sum(-1) - dl, 0.0).astype(ft)
@@ -182,13 +183,19 @@ def reference(p: Problem, d_out=None, d_lse=None, *, lowp=None):
     ds_logits = np.zeros((b, n, t, s))
   heads = lambda x: x.transpose(1, 0, 2)  # noqa: E731  [rows, heads, H] <-> [heads, rows, H]
   for r in range(b):
-    res = _rows(p, r, vis[r], heads(q[r]), heads(k[r]), heads(v[r]), None if bias is None else bias[r],
-                heads(do[r]) if grads else None, dl[r] if grads else None, lowp)
-    out[r] = heads(res["out"])
-    lse[r] = np.where(qv[r][None, :], res["lse"], 0.0)
+    # Rows and keys at or past the lengths are padding: the row's work is its valid rectangle only.
+    tq, ts = (int(np.clip(x[r], 0, m)) for x, m in ((np.asarray(p.q_len), t), (np.asarray(p.kv_len), s)))
+    if tq == 0:
+      continue
+    qs, ks = slice(0, tq), slice(0, ts)
+    res = _rows(p, r, vis[r][:, qs, ks], heads(q[r, qs]), heads(k[r, ks]), heads(v[r, ks]),
+                None if bias is None else bias[r][:, qs, ks], heads(do[r, qs]) if grads else None,
+                dl[r][:, qs] if grads else None, lowp)
+    out[r, qs] = heads(res["out"])
+    lse[r][:, qs] = np.where(qv[r][None, qs], res["lse"], 0.0)
     if grads:
-      dq[r], dk[r], dv[r] = heads(res["dq"]), heads(res["dk"]), heads(res["dv"])
-      ds_logits[r] = res["ds_logits"]
+      dq[r, qs], dk[r, ks], dv[r, ks] = heads(res["dq"]), heads(res["dk"]), heads(res["dv"])
+      ds_logits[r][:, qs, ks] = res["ds_logits"]
   empty = qv[:, None, :] & ~vis.any(-1)
   seen = vis.reshape(b, kh, n // kh, t, s).any(axis=(2, 3)).transpose(0, 2, 1)
   result = dict(out=out, lse=lse, visible=vis, empty=empty, seen=seen)

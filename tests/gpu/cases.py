@@ -2,7 +2,6 @@
 reach every branch of the kernels' tile schedules (irregular lengths, gaps, leads and tails, the compact
 schedule's holes, several tiles per CTA, slots longer than the bound)."""
 
-import functools
 import os
 import subprocess
 import sys
@@ -83,11 +82,6 @@ def packed_case(seed, layout, h, feature, **extra):
   d = helpers.build_packed(np.random.default_rng(seed), h=h, **layout, **FEATURES[feature])
   d.update(extra)
   return d
-
-
-@functools.cache
-def device_kind():
-  return jax.devices()[0].device_kind
 
 
 def is_hopper():

@@ -7,7 +7,7 @@ read once per process: the library reads JAX_PADSAFE_SM90 at its first kernel ca
 * XLA command buffers (CUDA graphs) with the kernels' custom calls inside: the sm_90a forward and backward at two
   head dims.
 
-About 330 s on an H100.
+About 350 s on an H100 (three fresh processes for the SM80-class family, one for command buffers).
 """
 
 import pytest

@@ -4,7 +4,7 @@ contract (oracle, exact zeros, bitwise poison invariance, dirty memory) through 
 ``implementation="cute"``.  The forward-and-backward matrix of every dtype, head dim and feature set is
 ``test_backward.py``.
 
-About 90 s on an H100.
+About 70 s on an H100.
 """
 
 import os

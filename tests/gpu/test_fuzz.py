@@ -10,7 +10,7 @@ kernels (never the pure-JAX path), then the whole contract (helpers.check_proble
 The seeds start at JPS_FUZZ_SEED (default: drawn at random per run); a failure names its seed, and
 ``JPS_FUZZ_SEED=<seed> pytest -m gpu tests/gpu/test_fuzz.py`` replays the run.
 
-About 200 s on an H100.
+About 160 s on an H100.
 """
 
 import os

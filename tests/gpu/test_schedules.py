@@ -9,7 +9,7 @@
   compact grid (loose bound).
 * long: sequences of ~4k tokens (GQA 7 over one kv head), both dtypes.
 
-About 240 s on an H100.
+About 250 s on an H100.
 """
 
 import jax.numpy as jnp

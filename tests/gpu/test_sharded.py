@@ -12,7 +12,7 @@ need two or more GPUs skip themselves on one; the ring of one device runs anywhe
   calls both kernels and holds no collective (MQA's backward gathers its heads, the documented cost), results
   bitwise equal to the same step on one GPU, and bitwise unchanged by NaN or 1e30 in every padded row.
 
-About 30 s on one H100 (the ring of one), 90 s on two.
+About 20 s on one H100 (the ring of one), 90 s on two.
 """
 
 import os
