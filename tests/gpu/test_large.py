@@ -33,7 +33,9 @@ pytestmark = cases.needs_kernels() + [pytest.mark.large]
 
 N, H = 8, 128
 DT = jnp.bfloat16
-LIMIT = 2 ** 31
+LIMIT = 2 ** 31            # the element count the varlen and dense tensors exceed
+TOKENS, MAX_LEN = 2_250_000, 4096  # varlen: packed tokens, longest sequence (and the dense padded length)
+LONG = 131072              # the one long sequence
 
 
 def test_sm80_class_family_on_hopper():
@@ -80,8 +82,8 @@ def _accuracy(ours, q, k, v, g, causal, what):
 
 def test_varlen_past_2_31_elements():
   rng = np.random.default_rng(0)
-  max_len, lens, used = 4096, [], []
-  while sum(lens) < 2_250_000:
+  max_len, lens, used = MAX_LEN, [], []
+  while sum(lens) < TOKENS:
     seg = int(rng.integers(1, max_len + 1))
     lens.append(seg)
     used.append(seg if rng.random() < 0.5 else int(rng.integers(0, seg + 1)))
@@ -122,7 +124,7 @@ def test_varlen_past_2_31_elements():
 
 
 def test_dense_past_2_31_elements():
-  s_len = 4096
+  s_len = MAX_LEN
   b_total = LIMIT // (s_len * N * H) + 8
   lens = np.random.default_rng(2).integers(1, s_len + 1, size=b_total).astype(np.int32)
   lens[-1] = s_len
@@ -151,7 +153,7 @@ def test_dense_past_2_31_elements():
 
 
 def test_long_sequence():
-  length, kv_heads, edge = 131072, 2, 64
+  length, kv_heads, edge = LONG, 2, 64
   slot = length + 1000
   kq, kk, kv, kg = jax.random.split(jax.random.PRNGKey(4), 4)
   pad = (jnp.arange(slot) >= length)[:, None, None]
