@@ -19,7 +19,9 @@ case "$cmd" in
   test)
     out=${OUT:-gpu_out}; mkdir -p "$out"
     export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-    nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader | tee "$out/device.txt"
+    if command -v nvidia-smi >/dev/null; then
+      nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader | tee "$out/device.txt"
+    fi
     args=("$@"); [ ${#args[@]} -gt 0 ] || args=(tests)
     name=$(printf '%s' "${args[*]}" | tr -c 'A-Za-z0-9_.-' '_' | cut -c1-80)
     python3 -m pytest -m gpu -rfEs --durations=25 --junitxml="$out/pytest_$name.xml" "${args[@]}" 2>&1 \
