@@ -61,6 +61,9 @@ BAR_DS_READY = 7
 
 
 class Sm90BwdBase:
+    """What both Hopper backward kernels share: the warpgroup roles and register split, their two TMA pipelines
+    (`_pipes`) and the launch of the queued compact schedule (`_launch_compact`)."""
+
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool):
         assert head_dim % 32 == 0  # hd96: 32-column (64-byte) swizzle atoms, chosen by common.smem_layout
         self.dtype = dtype
