@@ -10,8 +10,8 @@ import pytest
 
 import jax_padsafe
 from jax_padsafe import _backends
-
-_cute = pytest.importorskip("jax_padsafe._cute.ops")
+from jax_padsafe._backends.cute import library
+from jax_padsafe._core.spec import AttentionSpec
 TARGET = "jax_padsafe_fwd"
 
 
@@ -99,11 +99,11 @@ def test_backward_without_kernel_variant_uses_pure_jax(kernels_built, monkeypatc
   """A library built without the backward variant of a head dim (here: a build restricted to hd64/128,
   as JPS_HEAD_DIMS=64,128 gives) keeps the forward kernel for hd192 but runs its gradient on the
   pure-JAX backward; with implementation="cute" as well (the backward has no NotImplementedError path)."""
-  bwd = pytest.importorskip("jax_padsafe._cute.bwd_ops")
   restricted = tuple((90, 0, h, c) for h in (64, 128) for c in (0, 1))  # (arch, dtype code, head dim, softcap)
-  monkeypatch.setattr(bwd, "_load", functools.lru_cache(maxsize=None)(lambda: (None, restricted)))
-  assert "head dim 192" in bwd.unsupported_reason(dtype=jnp.bfloat16, head_dim=192, num_heads=8, num_kv_heads=2,
-                                                  causal=True, window=False, softcap=None)
+  monkeypatch.setattr(library, "_load", functools.lru_cache(maxsize=None)(
+      lambda: library.Loaded(None, None, restricted)))
+  assert "head dim 192" in library.unsupported_reason(dtype=jnp.bfloat16, head_dim=192, num_heads=8, num_kv_heads=2,
+                                                      causal=True, window=False, softcap=None, direction="backward")
   for impl in (None, "cute"):
     def loss(q, k, v):
       return jnp.sum(jax_padsafe.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
@@ -152,11 +152,11 @@ def test_xla_never_uses_kernels(kernels_built):
 
 
 def test_without_library_default_is_pure_jax(monkeypatch):
-  monkeypatch.setattr(_cute, "library_available", lambda: False)
+  monkeypatch.setattr(library, "library_available", lambda: False)
   f = lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v)
   assert TARGET not in _targets(_lowered(f, *_qkv()))
   assert "not built" in _backends.kernel_unsupported_reason(
-      jax_padsafe._api.AttentionSpec(scale=1.0), *_qkv()[:2], bias=None, mask=None)
+      AttentionSpec(scale=1.0), *_qkv()[:2], bias=None, mask=None)
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -303,47 +303,13 @@ def test_max_segments_bounds_the_kernel_runs(kernels_built):
       _lowered(f(bad), q, kv, kv)
 
 
-def _bwd_workspace_sizes(text):
-  """Element counts of the fifth result (the fused-dQ workspace) of each backward custom call."""
-  sizes = []
-  for line in text.splitlines():
-    if "custom_call @jax_padsafe_bwd" in line:
-      results = line.rsplit("->", 1)[1]
-      sizes.append(int(re.findall(r"tensor<(\d+)xf32>", results)[-1]))
-  return sizes
-
-
 def test_backward_call_has_the_tile_counter_scratch(kernels_built):
-  """Every backward custom call has a sixth result, int32[2]: the counters from which the sm90 kernels'
-  compact schedules claim their tiles (the handler zeroes them; bwd_ops drops them)."""
+  """Every backward custom call has a fifth result, int32[2]: the counters from which the sm90 kernels'
+  compact schedules claim their tiles (the handler zeroes them; flash_backward drops them)."""
   def loss(q, k, v):
     return jnp.sum(jax_padsafe.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
   text = _lowered(jax.grad(loss, (0, 1, 2)), *_qkv(t=72, s=33, h=64))
   lines = [line for line in text.splitlines() if "custom_call @jax_padsafe_bwd" in line]
   assert len(lines) == 1
   results = re.findall(r"tensor<[^>]*>", lines[0].rsplit("->", 1)[1])
-  assert len(results) == 6 and results[-1] == "tensor<2xi32>", results
-
-
-def test_fused_dq_workspace_is_opt_in(kernels_built, monkeypatch):
-  """The fused-dQ backward family runs only when the handler gets its fp32 workspace; bwd_ops requests one
-  only with JAX_PADSAFE_FUSED_DQ=1, on a Hopper GPU, at head dim 128: dq accumulator + one semaphore per
-  (sequence, head, 64-query tile).  Otherwise the fifth result is empty and the default kernels run."""
-  bwd = pytest.importorskip("jax_padsafe._cute.bwd_ops")
-  monkeypatch.setattr(bwd, "_hopper_present", lambda: True)
-  assert bwd.fused_dq_workspace_size(300, 8, 128, 3, 129) == 0  # not opted in
-  monkeypatch.setenv("JAX_PADSAFE_FUSED_DQ", "1")
-  assert bwd.fused_dq_workspace_size(300, 8, 128, 3, 129) == 300 * 8 * 128 + 3 * 8 * 3
-  assert bwd.fused_dq_workspace_size(300, 8, 64, 3, 129) == 0  # no fused kernels at head dim 64
-  monkeypatch.setattr(bwd, "_hopper_present", lambda: False)
-  assert bwd.fused_dq_workspace_size(300, 8, 128, 3, 129) == 0
-
-  def loss(q, k, v):
-    return jnp.sum(jax_padsafe.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
-  monkeypatch.setattr(bwd, "_hopper_present", lambda: True)
-  # Shapes no other test uses (traced implementations are cached per shape): b=2, t=70 -> 2 tiles of 64.
-  text = _lowered(jax.grad(loss, (0, 1, 2)), *_qkv(t=70, s=33, h=128))
-  assert _bwd_workspace_sizes(text) == [2 * 70 * 8 * 128 + 2 * 8 * 2]
-  monkeypatch.setenv("JAX_PADSAFE_FUSED_DQ", "0")
-  text = _lowered(jax.grad(loss, (0, 1, 2)), *_qkv(t=71, s=33, h=128))
-  assert _bwd_workspace_sizes(text) == [0]
+  assert len(results) == 5 and results[-1] == "tensor<2xi32>", results
