@@ -194,6 +194,6 @@ def test_long_sequence():
         ref[name], naive[name] = ref[name][:, keys], naive[name][:, keys]
       names += ["dk", "dv"]
     try:
-      oracle.assert_close(mine, ref, naive, DT, names)
+      oracle.assert_close(mine, ref, naive, DT, names, accumulated=length)
     except AssertionError as e:
       raise AssertionError(f"long sequence, {what}: {e}") from e
