@@ -10,6 +10,7 @@ back into the pure-JAX code on non-CUDA platforms so a program stays portable.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -219,3 +220,83 @@ def _run(spec, backend, q, k, v, bias, mask, problem):
     q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
   return vjp.attention(spec, backend, q, k, v, bias, mask, problem)
 
+
+# The layers (flax_linen, flax_nnx, equinox) take the frameworks' [batch..., length, heads, head_dim]
+# layouts: `attend` folds the batch dimensions into one, calls dot_product_attention, and unfolds.
+
+#: Options of :func:`dot_product_attention` that the layers forward unchanged.
+ATTENTION_OPTIONS = ("scale", "is_causal", "causal_alignment", "local_window_size", "softcap",
+                     "implementation")
+
+
+def _fold(x, batch_shape, trailing):
+  """``x`` broadcast to ``batch_shape + trailing`` and folded to ``[prod(batch), *trailing]``."""
+  x = jnp.asarray(x)
+  x = jnp.broadcast_to(x, tuple(batch_shape) + tuple(trailing))
+  return x.reshape((math.prod(batch_shape),) + tuple(trailing))
+
+
+def _fold_pairwise(name, x, batch_shape):
+  """A mask or bias broadcastable to ``[batch..., N, T, S]`` folded to ``[B', n, t, s]``."""
+  x = jnp.asarray(x)
+  want = len(batch_shape) + 3
+  if x.ndim > want:
+    raise ValueError(f"{name} of shape {x.shape} has more dimensions than "
+                     f"[batch..., heads, q_length, kv_length] = {want}")
+  x = x.reshape((1,) * (want - x.ndim) + x.shape)
+  return _fold(x, batch_shape, x.shape[len(batch_shape):])
+
+
+def attend(query, key, value, *, bias=None, mask=None, query_seq_lengths=None,
+           key_value_seq_lengths=None, query_segment_ids=None, key_value_segment_ids=None,
+           **options):
+  """:func:`dot_product_attention` on ``[batch..., T, N, H]`` inputs with any number of batch dims.
+
+  Lengths broadcast to ``batch...``; segment ids to ``[batch..., T]`` / ``[batch..., S]``; ``mask``
+  and ``bias`` to ``[batch..., N, T, S]`` (the Flax convention).
+  """
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  if query.ndim < 3:
+    raise ValueError(f"query must be [batch..., length, heads, head_dim], got shape {query.shape}")
+  if key.ndim != query.ndim or value.ndim != query.ndim:
+    raise ValueError(f"query, key and value must have the same rank, got {query.shape}, "
+                     f"{key.shape}, {value.shape}")
+  batch_shape = query.shape[:-3]
+  if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
+    raise ValueError(f"query, key and value batch dims differ: {query.shape}, {key.shape}, "
+                     f"{value.shape}")
+  t, s = query.shape[-3], key.shape[-3]
+  fq, fk, fv = (_fold(x, batch_shape, x.shape[-3:]) for x in (query, key, value))
+  kw = dict(options)
+  if query_seq_lengths is not None:
+    kw["query_seq_lengths"] = _fold(query_seq_lengths, batch_shape, ())
+  if key_value_seq_lengths is not None:
+    kw["key_value_seq_lengths"] = _fold(key_value_seq_lengths, batch_shape, ())
+  if query_segment_ids is not None:
+    kw["query_segment_ids"] = _fold(query_segment_ids, batch_shape, (t,))
+  if key_value_segment_ids is not None:
+    kw["key_value_segment_ids"] = _fold(key_value_segment_ids, batch_shape, (s,))
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:  # Flax builds float masks (nn.make_causal_mask): nonzero = attend
+      mask = mask != 0
+    kw["mask"] = _fold_pairwise("mask", mask, batch_shape)
+  if bias is not None:
+    kw["bias"] = _fold_pairwise("bias", bias, batch_shape)
+  if "query_seq_lengths" in kw:
+    checks.check_lengths_in_range("query_seq_lengths", kw["query_seq_lengths"], t)
+  if "key_value_seq_lengths" in kw:
+    checks.check_lengths_in_range("key_value_seq_lengths", kw["key_value_seq_lengths"], s)
+  static = {name: kw.pop(name) for name in ATTENTION_OPTIONS if name in kw}
+  try:
+    hash(tuple(static.items()))
+  except TypeError:  # a traced scale/softcap: call directly
+    out = dot_product_attention(fq, fk, fv, **kw, **static)
+  else:
+    # One compiled function per configuration: an eager call otherwise dispatches (and compiles)
+    # every operation of the blockwise loop separately, which is slow outside jit.
+    out = _dot_product_attention_jit(fq, fk, fv, **kw, **static)
+  return out.reshape(tuple(batch_shape) + out.shape[1:])
+
+
+_dot_product_attention_jit = jax.jit(dot_product_attention, static_argnames=ATTENTION_OPTIONS)

@@ -29,6 +29,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without equinox
   raise ImportError("jax_padsafe.equinox needs Equinox: pip install 'jax_padsafe[equinox]'") from e
 
+from jax_padsafe import attention
 from jax_padsafe._core import layers as _layers
 
 __all__ = ["MultiheadAttention"]
@@ -137,7 +138,7 @@ class MultiheadAttention(eqx.Module):
       mask = mask[None]
     if bias is not None and jnp.ndim(bias) == 2:
       bias = bias[None]
-    attn = _layers.attend(
+    attn = attention.attend(
         q, k, v, mask=mask, bias=bias, query_seq_lengths=query_length,
         key_value_seq_lengths=kv_length, query_segment_ids=query_segment_ids,
         key_value_segment_ids=kv_segment_ids, is_causal=self.is_causal,

@@ -30,6 +30,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without flax
   raise ImportError("jax_padsafe.flax_linen needs Flax: pip install 'jax_padsafe[flax]'") from e
 
+from jax_padsafe import attention
 from jax_padsafe._core import layers as _layers
 
 __all__ = ["attention_fn", "make_attention_fn", "MultiHeadAttention"]
@@ -86,7 +87,7 @@ def make_attention_fn(*, query_seq_lengths=None, key_value_seq_lengths=None,
     query, key, value = _promote(query, key, value, dtype)
     kw = dict(options)
     kw["is_causal"] = bool(options["is_causal"] or is_causal)
-    return _layers.attend(
+    return attention.attend(
         query, key, value, bias=bias, mask=mask, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, query_segment_ids=query_segment_ids,
         key_value_segment_ids=key_value_segment_ids, **kw)
@@ -189,7 +190,7 @@ class MultiHeadAttention(nn.Module):
       key = nn.LayerNorm(name="key_ln", use_bias=False, dtype=self.dtype,
                          param_dtype=self.param_dtype)(key)
     query, key, value = _promote(query, key, value, self.dtype)
-    x = _layers.attend(
+    x = attention.attend(
         query, key, value, mask=mask, bias=bias, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, query_segment_ids=query_segment_ids,
         key_value_segment_ids=key_value_segment_ids, is_causal=self.is_causal,

@@ -36,6 +36,7 @@ except ImportError as e:  # pragma: no cover - exercised only without flax
   raise ImportError("jax_padsafe.flax_nnx needs Flax: pip install 'jax_padsafe[flax]'") from e
 
 from jax_padsafe._core import checks
+from jax_padsafe import attention
 from jax_padsafe._core import layers as _layers
 from jax_padsafe._core.layers import apply_rope, positions_from_segments
 
@@ -201,7 +202,7 @@ class MultiHeadAttention(nnx.Module):
       if kv_positions is None:
         kv_positions = _default_positions(s, key_value_segment_ids)
       query, key = self.rope(query, positions), self.rope(key, kv_positions)
-    x = _layers.attend(
+    x = attention.attend(
         query, key, value, mask=mask, bias=bias, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, query_segment_ids=query_segment_ids,
         key_value_segment_ids=key_value_segment_ids, **self._options())
@@ -248,7 +249,7 @@ class MultiHeadAttention(nnx.Module):
     opts = self._options()
     opts["causal_alignment"] = "bottom_right"
     k_all, v_all = cache_k.astype(query.dtype), cache_v.astype(query.dtype)
-    x = _layers.attend(query, k_all, v_all, mask=mask, bias=bias, query_seq_lengths=new_lengths,
+    x = attention.attend(query, k_all, v_all, mask=mask, bias=bias, query_seq_lengths=new_lengths,
                        key_value_seq_lengths=total, **opts)
     return _layers.select_rows(self.out(x), valid_q)
 
