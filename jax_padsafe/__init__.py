@@ -8,6 +8,9 @@ Public API:
   ``cu_seqlens`` and optional per-sequence used lengths.
 * :mod:`jax_padsafe.sharding`: ring (context-parallel) attention and the zigzag layout.
 * Layers: :mod:`jax_padsafe.flax_linen`, :mod:`jax_padsafe.flax_nnx`, :mod:`jax_padsafe.equinox`.
+* What runs where (:mod:`jax_padsafe.introspection`): :func:`kernels_available`, :func:`kernels_status`
+  (the kernel library: loaded, or why not) and :func:`attention_backends` (whether a function's
+  attention runs on the kernels, read off its lowered program).
 
 The pad-safety contract (docs/contract.md): every output and gradient is bitwise independent of
 what padded memory holds, padded rows come out as exact zeros, and no NaN/Inf is ever produced
@@ -15,6 +18,11 @@ what padded memory holds, padded rows come out as exact zeros, and no NaN/Inf is
 """
 
 from jax_padsafe.attention import dot_product_attention, varlen_attention
+from jax_padsafe.introspection import AttentionBackends
+from jax_padsafe.introspection import attention_backends
+from jax_padsafe.introspection import KernelLibraryWarning
+from jax_padsafe.introspection import kernels_status
+from jax_padsafe.introspection import KernelStatus
 
 __version__ = "0.1.0"
 
@@ -24,9 +32,12 @@ def kernels_available() -> dict:
 
   True means the CuTe DSL kernel library was built into this install and loads; the kernels then
   run for supported calls on CUDA devices (sm_80 class and sm_90). It never raises.
+  :func:`kernels_status` says why not, and what the library was built for.
   """
   from jax_padsafe._backends.cute import library  # pylint: disable=g-import-not-at-top
   return {"forward": library.library_available(), "backward": library.backward_available()}
 
 
-__all__ = ["dot_product_attention", "varlen_attention", "kernels_available", "__version__"]
+__all__ = ["dot_product_attention", "varlen_attention", "kernels_available", "kernels_status",
+           "KernelStatus", "KernelLibraryWarning", "attention_backends", "AttentionBackends",
+           "__version__"]

@@ -527,6 +527,8 @@ def _ring_kernels(implementation, spec, query, key):
     if implementation == "cute":
       raise NotImplementedError(f'ring_attention(implementation="cute") cannot run this call: '
                                 f"{reason}. Use implementation=None to fall back to pure JAX.")
+    if not spec.has_window:  # warns (CUDA hosts) if only a missing or unusable library is the reason
+      _backends.note_fallback(spec, query, key, bias=None, mask=None)
     return False, False
   return True, cute.backward_supported(spec, query, key)
 

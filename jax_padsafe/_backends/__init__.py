@@ -5,7 +5,8 @@
   (``lax.platform_dependent`` lowers the same call to the pure-JAX path on other platforms, so a
   jitted program stays portable). A feature combination the kernels do not support raises
   ``NotImplementedError``.
-* ``None``: the kernels when they are built and support the call, else the pure-JAX path.
+* ``None``: the kernels when they are built and support the call, else the pure-JAX path (with one
+  ``KernelLibraryWarning`` on a CUDA host when only a missing or unusable library keeps a call off them).
 
 Within the kernel backend, the backward runs on the backward kernels where they are built and
 support the call, and is the pure-JAX blockwise backward otherwise.
@@ -25,8 +26,12 @@ BACKENDS = {"xla": xla.XLA, "cute": cute.CUTE}
 def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, problem=None):
   """``None`` if the GPU forward kernel can run this call, else why not (a sentence)."""
   if not library.library_available():
-    return ("the kernel library was not built into this install "
-            "(see BUILD.md: build from source with the kernels enabled)")
+    return library.unusable_reason()
+  return _call_unsupported_reason(spec, query, key, bias=bias, mask=mask, problem=problem)
+
+
+def _call_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, problem=None):
+  """Why the kernels cannot run this call, whatever the library (the default build matrix without one)."""
   if mask is not None:
     return "a boolean `mask` is only supported by the pure-JAX path (use lengths or segment ids)"
   if problem is not None and problem.unsupported is not None:
@@ -36,6 +41,14 @@ def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, pr
       dtype=query.dtype, head_dim=h, head_dim_v=h, num_heads=n, num_kv_heads=key.shape[-2],
       causal=spec.causal, window=spec.has_window, softcap=spec.softcap,
       has_bias=bias is not None)
+
+
+def note_fallback(spec: AttentionSpec, query, key, *, bias, mask, problem=None):
+  """For a call going to the pure-JAX path under ``implementation=None``: if only the missing or
+  unusable library keeps it off the kernels, warn once (``library.warn_unusable``, CUDA hosts only)."""
+  if (not library.library_available()
+      and _call_unsupported_reason(spec, query, key, bias=bias, mask=mask, problem=problem) is None):
+    library.warn_unusable()
 
 
 def choose_backend(implementation, spec: AttentionSpec, problem, query, key, *, bias,
@@ -49,4 +62,5 @@ def choose_backend(implementation, spec: AttentionSpec, problem, query, key, *, 
   if implementation == "cute":
     raise NotImplementedError(f'implementation="cute" cannot run this call: {reason}. '
                               'Use implementation=None to fall back to the pure-JAX path.')
+  note_fallback(spec, query, key, bias=bias, mask=mask, problem=problem)
   return BACKENDS["xla"]

@@ -4,9 +4,16 @@ The library (built from ``jax_padsafe/kernels`` and ``ffi/``; see BUILD.md) live
 this file; the environment variable ``JAX_PADSAFE_CUTE_LIB`` may name another file. It exports, per
 direction (``fwd``, ``bwd``), the XLA FFI handlers ``jps_<kind>_initialize`` / ``jps_<kind>_execute``
 and ``jps_num_<kind>_variants`` / ``jps_<kind>_variant(i, &arch, &dtype, &head_dim, &softcap)``: what
-it was built for. Loading registers the FFI targets ``jax_padsafe_fwd`` and ``jax_padsafe_bwd`` for
-CUDA. Without the library nothing is registered, :func:`library_available` is False, and support is
-judged by the default build matrix (a call still lowers, but no GPU executable can be compiled).
+it was built for; and ``jps_ffi_api_version(&major, &minor)``: the XLA FFI API its handlers speak.
+
+Loading checks, in order: the file exists; the dynamic loader accepts it (a glibc too old for it, a
+corrupted file); the running jaxlib serves its FFI API version (registering handlers of a newer
+version would take jax's whole CUDA backend down); it holds both directions' symbols and forward
+kernels. Then it registers the FFI targets ``jax_padsafe_fwd`` and ``jax_padsafe_bwd`` for CUDA.
+The first failure is kept as the reason (:func:`unusable_reason`); nothing is registered,
+:func:`library_available` is False, support is judged by the default build matrix (a call still
+lowers, but no GPU executable can be compiled), and :func:`warn_unusable` says so once where jax has
+a CUDA backend.
 """
 
 from __future__ import annotations
@@ -14,8 +21,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,18 +41,32 @@ BACKWARD_TARGET = "jax_padsafe_bwd"
 # library is loaded.
 DEFAULT_HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPE_CODES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1}
-_ARCH_NAMES = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120"}
+ARCH_NAMES = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120"}
 _KINDS = {"forward": ("fwd", FORWARD_TARGET), "backward": ("bwd", BACKWARD_TARGET)}
+_SYMBOLS = tuple(f"jps_{name}" for kind, _ in _KINDS.values()
+                 for name in (f"{kind}_initialize", f"{kind}_execute", f"num_{kind}_variants", f"{kind}_variant"))
+# The cost of the fallback, from benchmarks/README.md (H100, 2026-11-25, jax 0.11.2): the pure-JAX path
+# reaches 1/3 to 1/27 of the kernels' forward TFLOP/s (median 1/9), 1/3 to 1/8 forward+backward.
+FALLBACK_COST = "every attention call runs on the pure-JAX path, about 10x slower on a GPU (3-27x on an H100)"
 
 _lock = threading.Lock()
+_warned: set[str] = set()
+
+
+class KernelLibraryWarning(UserWarning):
+  """The GPU kernel library is missing or cannot be used, on a machine where jax has a CUDA backend."""
 
 
 class Loaded(NamedTuple):
-  """The loaded library and the variants ``(arch, dtype code, head_dim, softcap)`` of each direction
-  (``None``: the direction's symbols are missing and its target is not registered)."""
+  """The library as loaded: its handle and the variants ``(arch, dtype code, head_dim, softcap)`` of
+  each direction (``None``: not usable), the file, why it is not used (``None`` when it is) and the
+  XLA FFI API version ``(major, minor)`` it was built against."""
   lib: object
   forward: tuple | None
   backward: tuple | None
+  path: Path | None = None
+  reason: str | None = None
+  ffi_api: tuple[int, int] | None = None
 
 
 def library_path() -> Path:
@@ -61,13 +84,30 @@ def library_path() -> Path:
   return here
 
 
-def _register(lib, kind: str, target: str):
-  """Registers one direction's FFI target; returns its variants, or None if a symbol is missing."""
-  names = (f"jps_{kind}_initialize", f"jps_{kind}_execute", f"jps_num_{kind}_variants",
-           f"jps_{kind}_variant")
-  if not all(hasattr(lib, name) for name in names):
+@functools.lru_cache(maxsize=None)
+def runtime_ffi_api_version() -> tuple[int, int] | None:
+  """The XLA FFI API version of the running jaxlib, from the ``c_api.h`` it ships (its CUDA plugin is
+  pinned to the same release); None if that header cannot be read."""
+  try:
+    text = (Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h").read_text()
+    return tuple(int(re.search(rf"#define XLA_FFI_API_{part}\s+(\d+)", text).group(1))
+                 for part in ("MAJOR", "MINOR"))
+  except (OSError, AttributeError):
     return None
-  initialize, execute, count, describe = (getattr(lib, name) for name in names)
+
+
+def library_ffi_api_version(lib) -> tuple[int, int] | None:
+  """The XLA FFI API version the library's handlers were built against; None if it does not say."""
+  if not hasattr(lib, "jps_ffi_api_version"):
+    return None
+  major, minor = ctypes.c_int(), ctypes.c_int()
+  lib.jps_ffi_api_version(ctypes.byref(major), ctypes.byref(minor))
+  return major.value, minor.value
+
+
+def _variants_of(lib, kind: str) -> tuple:
+  """The distinct variants in one direction's table."""
+  count, describe = getattr(lib, f"jps_num_{kind}_variants"), getattr(lib, f"jps_{kind}_variant")
   count.restype = ctypes.c_int
   variants = []
   for i in range(count()):
@@ -76,35 +116,75 @@ def _register(lib, kind: str, target: str):
       v = tuple(x.value for x in vals)
       if v not in variants:
         variants.append(v)
-  with _lock:
-    jax.ffi.register_ffi_target(
-        target,
-        {"initialize": jax.ffi.pycapsule(initialize), "execute": jax.ffi.pycapsule(execute)},
-        platform="CUDA",
-    )
   return tuple(variants)
 
 
+def _register(lib, kind: str, target: str):
+  with _lock:
+    jax.ffi.register_ffi_target(
+        target,
+        {"initialize": jax.ffi.pycapsule(getattr(lib, f"jps_{kind}_initialize")),
+         "execute": jax.ffi.pycapsule(getattr(lib, f"jps_{kind}_execute"))},
+        platform="CUDA",
+    )
+
+
+def _version(v: tuple[int, int]) -> str:
+  return f"{v[0]}.{v[1]}"
+
+
 @functools.lru_cache(maxsize=None)
-def _load():
-  """The library, loaded and its targets registered once; None if there is no loadable library."""
+def _load() -> Loaded:
+  """The library, checked and its targets registered once; on any failure a ``Loaded`` without
+  variants whose ``reason`` says what failed."""
   path = library_path()
+
+  def unusable(reason, ffi_api=None):
+    return Loaded(None, None, None, path, reason, ffi_api)
+
   if not path.is_file():
-    return None
+    if os.environ.get("JAX_PADSAFE_CUTE_LIB"):
+      return unusable(f"JAX_PADSAFE_CUTE_LIB names {path}, which does not exist")
+    return unusable(f"the kernel library was not built into this install (no file {path}; BUILD.md builds it)")
   try:
     lib = ctypes.CDLL(str(path))
-  except OSError:
-    return None
-  return Loaded(lib, *(_register(lib, *_KINDS[d]) for d in ("forward", "backward")))
+  except OSError as e:  # e.g. "version `GLIBC_2.36' not found", "invalid ELF header", a missing dependency
+    return unusable(f"the kernel library {path} cannot be loaded: {e}")
+  ffi_api = library_ffi_api_version(lib)
+  if ffi_api is None:
+    return unusable(f"{path} does not export jps_ffi_api_version: not a jax_padsafe kernel library, or one "
+                    f"from another version of jax_padsafe")
+  runtime = runtime_ffi_api_version()
+  if runtime is not None and (ffi_api[0] != runtime[0] or ffi_api[1] > runtime[1]):
+    return unusable(f"the kernel library {path} was built against XLA FFI API {_version(ffi_api)}, which the "
+                    f"running jaxlib {jax.lib.__version__} (FFI API {_version(runtime)}) cannot serve: upgrade "
+                    f"jax and jaxlib, or rebuild the library against this jaxlib's FFI headers", ffi_api)
+  missing = [name for name in _SYMBOLS if not hasattr(lib, name)]
+  if missing:
+    return unusable(f"the kernel library {path} lacks {', '.join(missing)}: built from other sources than "
+                    f"this jax_padsafe", ffi_api)
+  forward, backward = (_variants_of(lib, _KINDS[d][0]) for d in ("forward", "backward"))
+  if not forward:
+    return unusable(f"the kernel library {path} holds no forward kernels (empty variant table)", ffi_api)
+  try:
+    for kind, target in _KINDS.values():
+      _register(lib, kind, target)
+  except Exception as e:  # noqa: BLE001 - any registration error leaves the pure-JAX path
+    return unusable(f"registering the kernel library's FFI targets failed: {type(e).__name__}: {e}", ffi_api)
+  return Loaded(lib, forward, backward or None, path, None, ffi_api)
+
+
+def loaded() -> Loaded:
+  """The loaded library (or why there is none).  Never raises."""
+  try:
+    return _load()
+  except Exception as e:  # noqa: BLE001 - by contract this never raises
+    return Loaded(None, None, None, None, f"loading the kernel library failed: {type(e).__name__}: {e}")
 
 
 def _variants(direction: str):
   """The loaded variants of ``direction``, or None (no library, or not that direction). Never raises."""
-  try:
-    loaded = _load()
-  except Exception:  # noqa: BLE001 - by contract this never raises
-    return None
-  return None if loaded is None else getattr(loaded, direction)
+  return getattr(loaded(), direction)
 
 
 def library_available() -> bool:
@@ -117,6 +197,31 @@ def backward_available() -> bool:
   return _variants("backward") is not None
 
 
+def unusable_reason() -> str:
+  """Why the kernels are not used, for a call that needs them and finds no usable library."""
+  # The loader's reason (None only where a caller overrides library_available for a loaded library).
+  return loaded().reason or "the kernel library was not built into this install"
+
+
+def cuda_backend_present() -> bool:
+  """Whether jax has a CUDA backend (this initialises jax's backends, as the call at hand does)."""
+  try:
+    return bool(jax.devices("cuda"))
+  except RuntimeError:
+    return False
+
+
+def warn_unusable() -> None:
+  """Warns, once per reason, that a call the kernels would run goes to the pure-JAX path because the
+  library is missing or unusable. Only where jax has a CUDA backend: elsewhere no kernels are expected."""
+  reason = loaded().reason
+  if reason is None or reason in _warned or not cuda_backend_present():
+    return
+  _warned.add(reason)
+  warnings.warn(f"jax_padsafe: {reason}. Until this is fixed, {FALLBACK_COST}; see docs/troubleshooting.md "
+                f"and jax_padsafe.kernels_status().", KernelLibraryWarning, stacklevel=2)
+
+
 def built_variants(direction: str = "forward"):
   """``(arch, dtype, head_dim, softcap)`` tuples of the loaded library's kernels; empty without it."""
   available = library_available() if direction == "forward" else backward_available()
@@ -124,7 +229,7 @@ def built_variants(direction: str = "forward"):
   if not variants:
     return ()
   inv = {v: k for k, v in DTYPE_CODES.items()}
-  return tuple((_ARCH_NAMES.get(a, str(a)), str(inv[d]), h, bool(c)) for a, d, h, c in variants)
+  return tuple((ARCH_NAMES.get(a, str(a)), str(inv[d]), h, bool(c)) for a, d, h, c in variants)
 
 
 def unsupported_reason(*, dtype, head_dim, num_heads, num_kv_heads, causal, window, softcap,
