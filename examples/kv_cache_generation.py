@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import jax_padsafe
 from jax_padsafe import flax_nnx
 
 
@@ -103,6 +104,8 @@ def train(model, args, rng):
   for i in range(1, args.train_steps + 1):
     lengths = rng.integers(4, args.max_length + 1, (args.batch,)).astype(np.int32)
     tokens, _, _ = progressions(rng, args.batch, args.max_length, args.vocab, lengths)
+    if i == 1:  # read off the program jax lowers for the step: the kernels' custom calls are in it, or not
+      print(f"training attention: {jax_padsafe.attention_backends(step, params, opt_state, tokens, lengths)}")
     params, opt_state, loss = step(params, opt_state, jnp.asarray(tokens), jnp.asarray(lengths))
     if i == 1 or i % max(1, args.train_steps // 5) == 0:
       print(f"train step {i:4d}/{args.train_steps}  loss {float(loss):.4f}", flush=True)
@@ -150,6 +153,11 @@ def main(argv=None):
   def decode_step(model, token):
     return model(token[:, None], jnp.ones(token.shape, jnp.int32), decode=True)[:, 0]
 
+  graphdef, state = nnx.split(model)
+  def decode_forward(state, token):  # decode_step on the model's state, as attention_backends lowers it
+    return nnx.merge(graphdef, state)(token[:, None], jnp.ones_like(token), decode=True)
+  where = jax_padsafe.attention_backends(decode_forward, state, jnp.zeros((b,), jnp.int32))
+  print(f"decoding attention: forward on {'GPU kernels' if where.forward else 'pure JAX'} ({where.platform})")
   logits = prefill(model, jnp.asarray(prompts), jnp.asarray(prompt_len))
   generated, step_logits = [], []
   for _ in range(args.new_tokens):

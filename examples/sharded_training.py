@@ -32,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+import jax_padsafe  # noqa: E402
 from jax_padsafe import sharding as jps  # noqa: E402
 
 DATA, TENSOR, SEQ = "data", "tensor", "seq"
@@ -120,6 +121,9 @@ def main():
   step, p_sh, b_sh = build_step(mesh)
   params = jax.device_put(init_params(jax.random.PRNGKey(args.seed)), p_sh)
   rng = np.random.default_rng(args.seed)
+  # Read off the program jax lowers for the step: the kernels' custom calls are in it, or not.
+  where = jax_padsafe.attention_backends(step, params, make_batch(np.random.default_rng(0), mesh.shape[SEQ]))
+  print(f"attention: {where}")
 
   t0 = time.perf_counter()
   for i in range(args.steps):

@@ -132,22 +132,6 @@ def loss_fn(model, tokens, seg, targets, poison, packed=True):
   return ce.sum() / jnp.maximum(has_target.sum(), 1)
 
 
-def attention_path(dtype, head_dim, heads, kv_heads, packed):
-  """Where the attention forward runs: ask the kernels (implementation="cute"), which say why not."""
-  if jax.default_backend() != "gpu":
-    return f"pure-JAX path ({jax.default_backend()})"
-  q = jnp.zeros((1, 8, heads, head_dim), dtype)
-  k = jnp.zeros((1, 8, kv_heads, head_dim), dtype)
-  extra = (dict(query_segment_ids=jnp.zeros((1, 8), jnp.int32),
-                key_value_segment_ids=jnp.zeros((1, 8), jnp.int32)) if packed
-           else dict(query_seq_lengths=jnp.array([8]), key_value_seq_lengths=jnp.array([8])))
-  try:
-    jax_padsafe.dot_product_attention(q, k, k, is_causal=True, implementation="cute", **extra)
-  except NotImplementedError as e:
-    return f"pure-JAX path ({str(e).split(': ', 1)[-1].split('. Use')[0]})"
-  return "GPU kernels (forward), pure-JAX backward"
-
-
 # ----------------------------------------------------------------------------------------- main --
 
 def main(argv=None):
@@ -208,7 +192,8 @@ def main(argv=None):
   tokens, seg, targets = make_batch(rng, args.batch, args.length, args.vocab, packed=packed)
   pad = float(np.mean(np.asarray(seg) < 0))
   nseq = int(sum(len(set(r[r >= 0].tolist())) for r in np.asarray(seg)))
-  print(f"attention: {attention_path(dtype, args.dim // args.heads, args.heads, args.kv_heads, packed)}")
+  # Read off the program jax lowers for this step: the kernels' custom calls are in it, or not.
+  print(f"attention: {jax_padsafe.attention_backends(train_step, params, opt_state, tokens, seg, targets)}")
   print(f"batch: {args.batch} rows x {args.length} tokens, {nseq} sequences ({args.layout}), "
         f"{100 * pad:.0f}% padding, padding of every block input = {args.poison}")
 

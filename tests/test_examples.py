@@ -30,6 +30,11 @@ def test_train_decoder_quick(capsys, tmp_path):
   assert m, out
   assert float(m.group(2)) < float(m.group(1))
   assert "grads finite: False" not in out
+  # Where attention runs is read off the lowered step: on a CPU, the pure-JAX path both ways.
+  where = re.search(r"attention: forward on (GPU kernels|pure JAX), backward on (GPU kernels|pure JAX) \((\w+)\)", out)
+  assert where, out
+  if where.group(3) == "cpu":
+    assert where.group(1, 2) == ("pure JAX", "pure JAX"), out
   try:
     import matplotlib  # noqa: F401 pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
@@ -46,6 +51,8 @@ def test_kv_cache_generation_quick(capsys):
   assert rc == 0, out
   assert "cache consistent with recompute: True" in out
   assert "cache lengths after generation: [7, 11, 6, 9]" in out  # prompts [3, 7, 2, 5] + 4
+  assert re.search(r"training attention: forward on .*, backward on .*\n", out), out
+  assert re.search(r"decoding attention: forward on (GPU kernels|pure JAX) \(\w+\)", out), out
 
 
 def test_migrate_from_jax_nn(capsys):
