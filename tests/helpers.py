@@ -4,6 +4,8 @@ implementation, and the whole contract on one problem (:func:`check_problem` for
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,8 +133,10 @@ def make_runner(p: oracle.Problem, impl, *, grads=True, traced_ids=False):
   return lambda *args: jitted(*args, *ids)
 
 
-def run_padded(p: oracle.Problem, dtype, runner, *, poison="zero", rng=None, d_out=None, d_lse=None):
-  """Runs ``runner`` (from :func:`make_runner`) with every padded region poisoned."""
+def run_padded(p: oracle.Problem, dtype, runner, *, poison="zero", rng=None, d_out=None, d_lse=None,
+               bias_dtype=jnp.float32):
+  """Runs ``runner`` (from :func:`make_runner`) with every padded region poisoned; a bias is passed
+  in ``bias_dtype``."""
   rng = rng or np.random.default_rng(0)
   qv, kv = p.q_valid(), p.k_valid()
   q = jnp.asarray(poison_rows(p.q, qv, poison, rng), dtype)
@@ -143,7 +147,7 @@ def run_padded(p: oracle.Problem, dtype, runner, *, poison="zero", rng=None, d_o
     # A bias entry that no visible (query, key) pair reads is padding too; -inf entries stay.
     used = p.visible().any(axis=tuple(i for i in range(4) if p.bias.shape[i] == 1), keepdims=True)
     bias = jnp.asarray(np.where(used | np.isneginf(p.bias), p.bias,
-                                poison_like(p.bias.shape, poison, rng)), jnp.float32)
+                                poison_like(p.bias.shape, poison, rng)), bias_dtype)
   do = jnp.asarray(poison_rows(d_out, qv, poison, rng), dtype)
   dl = jnp.asarray(np.where(qv[:, None, :], d_lse, poison_like(d_lse.shape, poison, rng)), jnp.float32)
   return {name: np.asarray(x) for name, x in runner(q, k, v, bias, do, dl).items()}
@@ -181,27 +185,31 @@ def dirty_memory(results):
 
 
 def check_problem(p: oracle.Problem, dtype, impl, *, poisons=POISONS, seed=0, grads=True,
-                  traced_ids=False, dirty=False):
+                  traced_ids=False, dirty=False, bias_dtype=jnp.float32):
   """The whole contract on one padded problem: oracle match (the accuracy rule), exact zeros,
   bitwise poison invariance; with ``dirty`` also bitwise the same results on memory left NaN by
-  earlier buffers (:func:`dirty_memory`).  Returns ``(results, ref64)``."""
+  earlier buffers (:func:`dirty_memory`).  A bias is passed in ``bias_dtype`` (its values should be
+  representable in it: the oracle reads them as given), and dbias comes back in it.
+  Returns ``(results, ref64)``."""
   rng = np.random.default_rng(seed)
   dtype = dtype_for(impl, dtype)
   d_out, d_lse = cotangents(p, rng)
   runner = make_runner(p, impl, grads=grads, traced_ids=traced_ids)
-  base = run_padded(p, dtype, runner, poison="zero", d_out=d_out, d_lse=d_lse, rng=rng)
+  run = functools.partial(run_padded, p, dtype, runner, d_out=d_out, d_lse=d_lse, rng=rng,
+                          bias_dtype=bias_dtype)
+  base = run(poison="zero")
   ref, naive = oracle.expected(p, dtype, d_out, d_lse) if grads else oracle.expected(p, dtype)
   names = ["out", "lse"] + (["dq", "dk", "dv"] + (["dbias"] if p.bias is not None else [])
                            if grads else [])
-  oracle.assert_close(base, ref, naive, dtype, names)
+  oracle.assert_close(base, ref, naive, dtype, names, out_dtypes={"dbias": bias_dtype})
   assert_contract_zeros(p, base, ref)
   for poison in poisons:
-    poisoned = run_padded(p, dtype, runner, poison=poison, d_out=d_out, d_lse=d_lse, rng=rng)
+    poisoned = run(poison=poison)
     for name in names:
       assert_bitwise_equal(poisoned[name], base[name], f"{name} with {poison} in the padding")
   if dirty:
     dirty_memory(base)
-    again = run_padded(p, dtype, runner, poison="zero", d_out=d_out, d_lse=d_lse, rng=rng)
+    again = run(poison="zero")
     for name in names:
       assert_bitwise_equal(again[name], base[name], f"{name} on dirty memory")
   return base, ref

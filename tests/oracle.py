@@ -315,7 +315,7 @@ def expected(p, dtype, d_out=None, d_lse=None):
 _FLOAT32_RESULTS = ("lse", "dbias")
 
 
-def assert_close(ours, ref, naive, dtype, names, accumulated=1024):
+def assert_close(ours, ref, naive, dtype, names, accumulated=1024, out_dtypes=None):
   """The contract's accuracy rule, ``max|ours - ref64| <= 2 * max|naive_lowp - ref64| + eps``, over the
   finite reference entries of each result in ``names``; non-finite entries (lse = -inf of valid rows
   without keys) must match exactly.
@@ -323,7 +323,9 @@ def assert_close(ours, ref, naive, dtype, names, accumulated=1024):
   ``eps`` is two roundings of the output dtype plus the float32 rounding of a long sum: the naive
   attention's row sums are NumPy's pairwise sums (error ~ log2(n) eps), while a flash kernel adds a row's
   keys one tile after another (error ~ sqrt(n) eps), so the float32 term is ``sqrt(accumulated)`` eps,
-  ``accumulated`` being the most keys one row sums (the default covers rows of up to 1024 keys)."""
+  ``accumulated`` being the most keys one row sums (the default covers rows of up to 1024 keys).
+  ``out_dtypes``: the dtype of a result returned in neither the input dtype nor float32 (e.g. dbias
+  of a bfloat16 bias), by name."""
   for name in names:
     r = np.asarray(ref[name], np.float64)
     a = np.asarray(ours[name], np.float64)
@@ -335,7 +337,7 @@ def assert_close(ours, ref, naive, dtype, names, accumulated=1024):
       continue
     err = np.max(np.abs(a[finite] - r[finite]))
     naive_err = np.max(np.abs(np.asarray(naive[name], np.float64)[finite] - r[finite]))
-    out_dtype = np.float32 if name in _FLOAT32_RESULTS else dtype
+    out_dtype = (out_dtypes or {}).get(name, np.float32 if name in _FLOAT32_RESULTS else dtype)
     eps = (2 * float(ml_dtypes.finfo(out_dtype).eps)
            + max(32.0, float(np.sqrt(accumulated))) * float(np.finfo(np.float32).eps)) * max(
         1.0, float(np.max(np.abs(r[finite]))))

@@ -6,8 +6,12 @@ kernels are tested against. It works on the per-row view of the canonical proble
 
 * Forward: an online softmax over blocks of ``block_k`` keys (``lax.scan``), so memory grows with
   ``T x block_k`` rather than ``T x S``.
-* Backward: recomputes the probabilities block by block from ``(q, k, v, o, lse)``; Delta and the
-  saved lse are explicitly zero in padded rows.
+* Backward: recomputes the probabilities block by block from the row statistics the forward keeps
+  (:class:`RowStats`: the max ``m``, ``log l`` and the float32 output); Delta and the statistics are
+  explicitly zero in padded rows.
+* Matrix products take the inputs' dtype: bfloat16 / float16 operands (P and dS rounded to it, as the
+  kernels and ``jax.nn`` do) with float32 accumulation at default precision; float32 operands at
+  full float32 precision.
 
 Pad-safety rules followed everywhere below:
 
@@ -21,6 +25,8 @@ Pad-safety rules followed everywhere below:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -33,14 +39,35 @@ _F32 = jnp.float32
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def _einsum(spec, a, b, like=None):
-  """float32 einsum at full precision. ``like``: an array whose sharding the result takes when
-  the mesh has Explicit axes and the contraction runs over a sharded axis (MQA's dK/dV sum over
-  head-sharded query heads), where JAX will not guess the output sharding."""
+def _einsum(spec, a, b, dtype, like=None):
+  """``a`` x ``b`` with both operands in ``dtype`` (the inputs' dtype) and float32 accumulation:
+  default precision for bfloat16 / float16 (the kernels' and jax.nn's products), full precision
+  for float32 (XLA would otherwise be free to use bfloat16 passes, e.g. TF32 on GPUs).
+
+  ``like``: an array whose sharding the result takes when the mesh has Explicit axes and the
+  contraction runs over a sharded axis (MQA's dK/dV sum over head-sharded query heads), where JAX
+  will not guess the output sharding."""
   kw = {}
   if like is not None and _explicit_sharding(like) is not None:
     kw["out_sharding"] = _explicit_sharding(like)
-  return jnp.einsum(spec, a, b, precision=_HIGHEST, preferred_element_type=_F32, **kw)
+  precision = _HIGHEST if jnp.dtype(dtype) == _F32 else None
+  return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), precision=precision,
+                    preferred_element_type=_F32, **kw)
+
+
+class RowStats(NamedTuple):
+  """What the forward keeps for the backward, per query row (``[B, K, G, T]``, grouped heads).
+
+  ``m``: the row's max logit (``-inf`` for rows that saw no key, 0 in padded rows); ``log_l``: the
+  log of its sum of ``exp(s - m)``; ``o``: the output ``[B, K, G, T, Hv]`` in float32.  ``lse = m +
+  log_l`` rounds to ``m`` once ``|m|`` dwarfs ``log_l`` (a huge finite bias on every key: -1e30,
+  finfo.min), so ``exp(s - lse)`` would give 1 where the softmax is ``1 / l``; ``exp((s - m) -
+  log_l)`` is exact to rounding for any finite ``m``.  Delta = rowsum(dO * O) is formed from the
+  float32 output, not the one rounded to the input dtype (dQ's remaining mismatch, from P rounded
+  for its product with V, is corrected in :func:`backward`)."""
+  m: jax.Array
+  log_l: jax.Array
+  o: jax.Array
 
 
 def _explicit_sharding(x):
@@ -123,10 +150,16 @@ def _block_logits(spec: AttentionSpec, qg, q_seg, q_pos, blk):
   Returns ``(s, vis, tanh_s)``: ``s [B, K, G, T, bk]`` float32 (meaningful only where ``vis``),
   ``vis`` broadcastable to ``s``, and ``tanh(s_raw / softcap)`` for the softcap derivative.
   """
-  # The scale goes on q, before the GEMM (as jax.nn does), not on its product: XLA would fuse
-  # `product * scale` into the later `s - max` as one FMA, which subtracts the rounded max from the
-  # unrounded product; for |s| past ~1e9 that rounding gap alone overflows exp and gives inf / NaN.
-  s = _einsum("btkgh,bskh->bkgts", qg * _F32(spec.scale), blk["k"].astype(_F32))
+  dtype = blk["k"].dtype
+  if dtype == _F32:
+    # float32: the scale goes on q, before the GEMM, not on its product: XLA would fuse
+    # `product * scale` into the later `s - max` as one FMA, which subtracts the rounded max from
+    # the unrounded product; for |s| past ~1e9 that rounding gap alone overflows exp (inf / NaN).
+    s = _einsum("btkgh,bskh->bkgts", qg * _F32(spec.scale), blk["k"], dtype)
+  else:
+    # bfloat16 / float16: q stays in its dtype (scaling it there would round it once more) and the
+    # float32 product is scaled, as the kernels and jax.nn do.
+    s = _einsum("btkgh,bskh->bkgts", qg, blk["k"], dtype) * _F32(spec.scale)
   tanh_s = None
   if spec.softcap is not None:
     cap = _F32(spec.softcap)
@@ -154,9 +187,15 @@ def _group_queries(x, num_kv_heads):
 
 def forward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos):
   """Returns ``(o [B, T, N, Hv] q.dtype, lse [B, N, T] float32)``. Inputs must be sanitised."""
+  o, lse, _ = forward_with_stats(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos)
+  return o, lse
+
+
+def forward_with_stats(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos):
+  """``(o, lse, RowStats)``: :func:`forward` and the row statistics its backward reads."""
   b, t, n, _ = q.shape
   num_kv_heads, hv = k.shape[2], v.shape[-1]
-  qg = _group_queries(q.astype(_F32), num_kv_heads)
+  qg = _group_queries(q, num_kv_heads)
   xs, whole, _, _ = _key_blocks(spec, k, v, bias, mask, k_seg, k_pos)
 
   def step(carry, blk):
@@ -169,12 +208,12 @@ def forward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos
     p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), _F32(0))
     alpha = jnp.exp(m - m_safe)
     l = l * alpha + jnp.sum(p, axis=-1)
-    acc = acc * alpha[..., None] + _einsum("bkgts,bskh->bkgth", p, blk["v"].astype(_F32))
+    acc = acc * alpha[..., None] + _einsum("bkgts,bskh->bkgth", p, blk["v"], v.dtype)
     return (m_new, l, acc), None
 
   # The carries are derived from qg so that they carry its sharding: on meshes with Explicit axes
   # (jax.set_mesh) a scan carry must keep one sharding type from its initial value to its update.
-  zeros = jnp.zeros_like(jnp.moveaxis(qg[..., 0], 1, -1))           # [B, K, G, T]
+  zeros = jnp.zeros_like(jnp.moveaxis(qg[..., 0], 1, -1), dtype=_F32)  # [B, K, G, T]
   init = (
       jnp.full_like(zeros, -jnp.inf),
       zeros,
@@ -189,55 +228,91 @@ def forward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos
   o = jnp.where(has_key[..., None], acc / l_safe[..., None], _F32(0))
   q_valid = visibility.row_is_valid(q_seg)[:, None, None, :]
   # lse: finite for rows that saw a key, -inf for valid rows that saw none, exactly 0 for padding.
-  lse = jnp.where(has_key, m + jnp.log(l_safe), jnp.where(q_valid, -jnp.inf, _F32(0)))
+  log_l = jnp.where(has_key, jnp.log(l_safe), _F32(0))
+  lse = jnp.where(has_key, m + log_l, jnp.where(q_valid, -jnp.inf, _F32(0)))
+  m = jnp.where(q_valid, m, _F32(0))
+  stats = RowStats(m, log_l, o)
   o = jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, t, n, hv).astype(q.dtype)
-  return o, lse.reshape(b, n, t)
+  return o, lse.reshape(b, n, t), stats
 
 
 # --------------------------------------------------------------------------------------------------
 # Backward
 # --------------------------------------------------------------------------------------------------
 
-def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
-  """Gradients ``(dq, dk, dv, dbias)`` by blockwise recomputation from the saved ``o`` and ``lse``."""
+def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse,
+             stats: RowStats | None = None):
+  """Gradients ``(dq, dk, dv, dbias)`` by blockwise recomputation.
+
+  With ``stats`` (from :func:`forward_with_stats`) P is ``exp((s - m) - log_l)`` and Delta comes
+  from the float32 output; without (the ring, which merges its chunks' lse) from ``lse`` and ``o``.
+  """
   b, t, n, _ = q.shape
   s_len, num_kv_heads = k.shape[1], k.shape[2]
   g = n // num_kv_heads
+  dtype = q.dtype
 
   q_valid = visibility.row_is_valid(q_seg)
-  do = visibility.zero_invalid_rows(do, q_seg).astype(_F32)
+  do = visibility.zero_invalid_rows(do, q_seg)
+  grouped = lambda x: x.reshape(b, num_kv_heads, g, t)  # noqa: E731  [B, N, T] -> [B, K, G, T]
+  if stats is None:
+    m, log_l = grouped(lse), jnp.zeros((b, num_kv_heads, g, t), _F32)
+    o32 = jnp.moveaxis(_group_queries(o.astype(_F32), num_kv_heads), 1, 3)   # [B, K, G, T, Hv]
+  else:
+    m, log_l, o32 = stats
   # Delta = rowsum(dO * O) - dlse, explicitly zero in padded rows and in rows that saw no key
-  # (they contribute nothing; their lse is -inf and must not be subtracted from anything).
-  has_key = (lse != -jnp.inf) & q_valid[:, None, :]  # a NaN lse (NaN in valid data) propagates
-  delta = jnp.transpose(jnp.sum(do * o.astype(_F32), axis=-1), (0, 2, 1))
-  delta = jnp.where(has_key, delta - jnp.where(has_key, dlse.astype(_F32), _F32(0)), _F32(0))
-  lse_safe = jnp.where(has_key, lse, _F32(0))
-  delta = delta.reshape(b, num_kv_heads, g, t)
-  lse_safe = lse_safe.reshape(b, num_kv_heads, g, t)
+  # (they contribute nothing; their max is -inf and must not be subtracted from anything).
+  has_key = (m != -jnp.inf) & grouped(jnp.broadcast_to(q_valid[:, None, :], (b, n, t)))
+  dog = _group_queries(do, num_kv_heads)                                      # [B, T, K, G, Hv]
+  delta = jnp.sum(jnp.moveaxis(dog.astype(_F32), 1, 3) * o32, axis=-1)        # [B, K, G, T]
+  dlse = grouped(dlse.astype(_F32))
+  dlse = jnp.where(has_key, dlse, _F32(0))
+  delta = jnp.where(has_key, delta - dlse, _F32(0))
+  m_safe = jnp.where(has_key, m, _F32(0))  # a NaN max (NaN in valid data) propagates
+  log_l = jnp.where(has_key, log_l, _F32(0))
 
-  qg = _group_queries(q.astype(_F32), num_kv_heads)
-  dog = _group_queries(do, num_kv_heads)
+  qg = _group_queries(q, num_kv_heads)
   xs, whole, block, nblk = _key_blocks(spec, k, v, bias, mask, k_seg, k_pos)
   bias_shape = None if bias is None else bias.shape
 
-  def step(dq, blk):
+  # With the whole row in this call (``stats``), dQ is also made to use Delta = rowsum(P * dP) of
+  # the P and dP recomputed here: the output's P was rounded to the input dtype for its product with
+  # V, so rowsum(dO * O) differs from it by that rounding, and sum_j dS_j, which must cancel a
+  # component that all keys share (dQ = scale * sum_j dS_j k_j), is off by as much.  The scan sums
+  # eps = sum_j dS_j - dlse (the mismatch) and pk = sum_j P_j k_j, and dQ -= scale * eps * pk
+  # replaces Delta by Delta + eps (sum_j P_j = 1).  dK and dbias need no such care: a key's dS does not sum to zero
+  # over the queries.  (The ring passes no ``stats``: its calls see only part of each row.)
+  whole_row = stats is not None
+
+  def step(carry, blk):
+    dq, eps, pk = carry
     s, vis, tanh_s = _block_logits(spec, qg, q_seg, q_pos, {**blk, **whole})
-    p = jnp.where(vis, jnp.exp(s - lse_safe[..., None]), _F32(0))
-    dv_blk = _einsum("bkgts,btkgh->bskh", p, dog, like=blk["v"])
-    dp = _einsum("btkgh,bskh->bkgts", dog, blk["v"].astype(_F32))
+    # s >= m within a row, so s - m is finite (or -inf past float32's range: exp gives 0).
+    p = jnp.where(vis, jnp.exp((s - m_safe[..., None]) - log_l[..., None]), _F32(0))
+    dv_blk = _einsum("bkgts,btkgh->bskh", p, dog, dtype, like=blk["v"])
+    dp = _einsum("btkgh,bskh->bkgts", dog, blk["v"], dtype)
     ds = jnp.where(vis, p * (dp - delta[..., None]), _F32(0))  # d loss / d (capped logit + bias)
     dbias_blk = None
     if bias_shape is not None:
       dbias_blk = _reduce_to_bias(ds.reshape(b, n, t, ds.shape[-1]), bias_shape)
+    if whole_row:
+      eps = eps + jnp.sum(ds, axis=-1)
     if tanh_s is not None:
-      ds = ds * (1 - tanh_s * tanh_s)
+      cap_grad = 1 - tanh_s * tanh_s
+      ds = ds * cap_grad
+      p = p * cap_grad
+    if whole_row:
+      pk = pk + _einsum("bkgts,bskh->btkgh", p, blk["k"], dtype)
     ds = ds * _F32(spec.scale)
-    dq = dq + _einsum("bkgts,bskh->btkgh", ds, blk["k"].astype(_F32))
-    dk_blk = _einsum("bkgts,btkgh->bskh", ds, qg, like=blk["k"])
-    return dq, (dk_blk, dv_blk, dbias_blk)
+    dq = dq + _einsum("bkgts,bskh->btkgh", ds, blk["k"], dtype)
+    dk_blk = _einsum("bkgts,btkgh->bskh", ds, qg, dtype, like=blk["k"])
+    return (dq, eps, pk), (dk_blk, dv_blk, dbias_blk)
 
-  dq0 = jnp.zeros_like(qg)  # keeps qg's sharding (scan carries on Explicit meshes)
-  dq, (dk, dv, dbias) = lax.scan(step, dq0, xs)
+  dq0 = jnp.zeros_like(qg, dtype=_F32)  # keeps qg's sharding (scan carries on Explicit meshes)
+  (dq, eps, pk), (dk, dv, dbias) = lax.scan(step, (dq0, jnp.zeros_like(delta), dq0), xs)
+  if whole_row:
+    eps = eps - dlse  # sum_j dS_j = (rowsum(P * dP) - rowsum(dO * O)) + dlse
+    dq = dq - _F32(spec.scale) * jnp.moveaxis(eps, 3, 1)[..., None] * pk
 
   def unblock(x):  # [nblk, B, bk, K, H] -> [B, S, K, H]
     x = jnp.moveaxis(x, 0, 1).reshape(b, nblk * block, *x.shape[3:])
@@ -271,8 +346,12 @@ def xla_forward(spec, q, k, v, bias, mask, problem):
   return forward(spec, q, k, v, bias, mask, *problem.rows())
 
 
-def xla_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse):
-  return backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse)
+def xla_forward_with_stats(spec, q, k, v, bias, mask, problem):
+  return forward_with_stats(spec, q, k, v, bias, mask, *problem.rows())
 
 
-XLA = Backend("xla", xla_forward, xla_backward)
+def xla_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats=None):
+  return backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse, stats)
+
+
+XLA = Backend("xla", xla_forward, xla_backward, forward_with_stats=xla_forward_with_stats)

@@ -20,8 +20,13 @@ class Backend:
   load them with predicated zero-fill or zero them in shared memory, and mask by select) and
   writes exact zeros to the padded rows of o/dq/dk/dv itself, so the caller need not zero padded
   input rows first. The pure-JAX functions need that zeroing (``attention._run`` does it for them).
+
+  ``forward_with_stats``: optional ``forward`` for the VJP that also returns what its backward
+  reads beyond ``(o, lse)`` (``-> (o, lse, stats)``); ``backward`` then takes ``stats=`` (the
+  pure-JAX path keeps the row max, log-sum and float32 output: ``_backends.xla.RowStats``).
   """
   name: str
   forward: Callable
   backward: Callable
   reads_padding_safely: bool = False
+  forward_with_stats: Callable | None = None

@@ -18,13 +18,18 @@ def attention(spec, backend, q, k, v, bias, mask, problem):
 
 
 def _attention_fwd(spec, backend, q, k, v, bias, mask, problem):
-  o, lse = backend.forward(spec, q, k, v, bias, mask, problem)
-  return (o, lse), (q, k, v, bias, mask, problem, o, lse)
+  if backend.forward_with_stats is None:
+    o, lse = backend.forward(spec, q, k, v, bias, mask, problem)
+    return (o, lse), (q, k, v, bias, mask, problem, o, lse, None)
+  o, lse, stats = backend.forward_with_stats(spec, q, k, v, bias, mask, problem)
+  return (o, lse), (q, k, v, bias, mask, problem, o, lse, stats)
 
 
 def _attention_bwd(spec, backend, res, cotangents):
   do, dlse = cotangents
-  dq, dk, dv, dbias = backend.backward(spec, *res, do, dlse)
+  *res, stats = res
+  kw = {} if stats is None else {"stats": stats}
+  dq, dk, dv, dbias = backend.backward(spec, *res, do, dlse, **kw)
   return dq, dk, dv, dbias, None, None
 
 

@@ -1,0 +1,147 @@
+"""Two numerical hazards of flash attention's row statistics, and the precision of the matrix products.
+
+* Huge finite biases (-1e30, ``finfo.min``, the way many codebases mask) are additive: a row whose
+  every visible score carries one is still a softmax over those keys.  Its ``lse = m + log(l)`` rounds
+  to ``m`` in float32, so a backward that recomputes ``P = exp(s - lse)`` gets 1 instead of ``1 / l``;
+  the probabilities must come from the max and the log-sum kept apart.
+* Cancellation: logits around -120 whose keys share one large component make dQ a small difference of
+  large terms (the shared component cancels in ``sum_j dS_j k_j`` only if ``sum_j dS_j`` is ~0, i.e.
+  if Delta agrees with the probabilities and dP the backward recomputes).
+
+Each case runs the whole contract (``helpers.check_problem``): every result against the float64
+oracle with the accuracy rule, exact zeros, bitwise poison invariance.  The kernels take no bias yet:
+those cases skip on ``impl="cute"``, as in ``test_contract``.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_padsafe
+from tests import helpers, oracle
+from tests.helpers import random_problem
+
+
+def contract(p, dtype, impl, **kw):
+  try:
+    return helpers.check_problem(p, dtype, impl, **kw)
+  except NotImplementedError as e:
+    if impl == "cute":
+      pytest.skip(f"not supported by the kernels: {e}")
+    raise
+
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+DTYPE_IDS = ["f32", "bf16", "f16"]
+
+
+def huge_bias_problem(seed, value):
+  """Rows of four kinds: every key's bias ``value``; ``value`` on some keys and a normal bias on the
+  rest (those win, the others underflow to 0); ``value`` on every key but a few at ``-inf`` (hidden);
+  and a plain normal bias."""
+  rng = np.random.default_rng(seed)
+  p = random_problem(rng, b=2, t=24, s=40, n=4, k=2, h=64, q_len=[24, 13], kv_len=[40, 17],
+                     causal=True, bottom_right=True)
+  shape = (2, 4, 24, 40)
+  bias = 0.5 * rng.standard_normal(shape)
+  kind = rng.integers(0, 4, size=shape[:3])[..., None]
+  some = rng.random(shape) < 0.5
+  hidden = rng.random(shape) < 0.15
+  bias = np.where(kind == 0, value, bias)
+  bias = np.where((kind == 1) & some, value, bias)
+  bias = np.where(kind == 2, np.where(hidden, -np.inf, value), bias)
+  p.bias = bias
+  return p
+
+
+HUGE = {"1e30": -1e30, "f32_min": float(np.finfo(np.float32).min)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("value", list(HUGE), ids=list(HUGE))
+def test_huge_finite_bias(impl, dtype, value):
+  """A float32 bias of -1e30 or finfo(float32).min is added, forward and backward (dbias included):
+  ``s - m`` stays finite (``s >= m`` within a row) and P is recomputed from ``m`` and ``log l``."""
+  p = huge_bias_problem(31, HUGE[value])
+  base, ref = contract(p, dtype, impl)
+  rows = np.all(np.where(ref["visible"], p.bias == HUGE[value], True), axis=-1) & ref["visible"].any(-1)
+  assert rows.sum() > 10, "the problem must hold rows whose every visible key carries the huge bias"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("value", ["1e30", "bf16_min"])
+def test_huge_finite_bias_bf16(impl, dtype, value):
+  """The same with a bfloat16 bias (-1e30 rounded to bfloat16, and finfo(bfloat16).min): it is read in
+  float32, and dbias comes back in bfloat16."""
+  huge = {"1e30": -1e30, "bf16_min": float(ml_dtypes.finfo(jnp.bfloat16).min)}[value]
+  p = huge_bias_problem(32, huge)
+  p.bias = oracle.round_to(p.bias, jnp.bfloat16)
+  base, _ = contract(p, dtype, impl, bias_dtype=jnp.bfloat16)
+  assert base["dbias"].dtype == jnp.bfloat16
+
+
+def cancellation_problem(seed, causal, bias):
+  """Every key's first component is 15 and every query's is 0, so it adds nothing to the logits but
+  is all of dQ's first component: ``scale * 15 * sum_j dS_j``, zero exactly, computed as a sum of
+  terms ~15 |dS|; values ``4 + N(0, 1)`` make Delta = rowsum(dO * O) large against each dP_j - Delta.
+  With ``bias``, a bias of ``-120 + N(0, 1)`` puts the logits around -120 (where lse's float32
+  rounding, ~4e-6, is no longer small against the sum of dS_j)."""
+  rng = np.random.default_rng(seed)
+  p = random_problem(rng, b=2, t=24, s=40, n=4, k=2, h=64, q_len=[24, 13], kv_len=[40, 17],
+                     causal=causal)
+  p.q[..., 0] = 0.0
+  p.k[..., 0] = 15.0
+  p.v = 4.0 + p.v
+  if bias:
+    p.bias = -120.0 + rng.standard_normal((1, 4, 24, 40))
+  return p
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cancellation(impl, dtype, causal):
+  """dQ of keys with a shared large component: Delta must agree with the recomputed P and dP."""
+  contract(cancellation_problem(33, causal, bias=False), dtype, impl)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_cancellation_logits_minus_120(impl, dtype):
+  """The same with logits around -120 (through a bias), lse differentiated as well."""
+  contract(cancellation_problem(34, True, bias=True), dtype, impl)
+
+
+def _dots(jaxpr):
+  """Every dot_general of a jaxpr, nested jaxprs (scan bodies, custom_vjp) included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.append(eqn)
+    for sub in jax.core.jaxprs_in_params(eqn.params):
+      found += _dots(sub)
+  return found
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_matmul_precision(dtype):
+  """The pure-JAX path multiplies low-precision inputs in their own dtype with float32 accumulation
+  at default precision (as the kernels and jax.nn do); float32 inputs at full float32 precision."""
+  rng = np.random.default_rng(35)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 2, 16)), dtype) for _ in range(3))
+  bias = jnp.asarray(rng.standard_normal((1, 2, 8, 8)), jnp.float32)
+
+  def loss(q, k, v, bias):
+    o, lse = jax_padsafe.dot_product_attention(q, k, v, bias, implementation="xla", return_lse=True,
+                                               query_seq_lengths=jnp.array([6]))
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+  dots = _dots(jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, bias).jaxpr)
+  assert len(dots) >= 7, "forward QK^T, PV; backward QK^T, dO V^T, dS K, dS^T Q, P^T dO"
+  for eqn in dots:
+    operands = {x.aval.dtype for x in eqn.invars}
+    assert operands == {jnp.dtype(dtype)}, f"operands {operands} for {dtype.__name__} inputs"
+    assert eqn.params["preferred_element_type"] == jnp.float32
+    precision = eqn.params["precision"]
+    highest = precision is not None and jax.lax.Precision.HIGHEST in tuple(precision)
+    assert highest == (jnp.dtype(dtype) == jnp.float32), f"precision {precision}"
