@@ -35,6 +35,11 @@ def _cuda_host(monkeypatch):
   monkeypatch.setattr(library, "cuda_backend_present", lambda: True)
 
 
+def _cpu_host(monkeypatch):
+  """Pretend jax has no CUDA backend (the tests also run on GPU machines)."""
+  monkeypatch.setattr(library, "cuda_backend_present", lambda: False)
+
+
 def _kernel_warnings(calls=2, dtype=jnp.bfloat16, **kw):
   """The KernelLibraryWarnings raised by ``calls`` eager calls the kernels could run (bf16, head dim 64)."""
   q = jnp.zeros((1, 16, 4, 64), dtype)
@@ -60,6 +65,7 @@ def test_corrupted_file(monkeypatch, tmp_path):
   _point_at(monkeypatch, bad)
   status = _unusable(path=str(bad), library_ffi_api=None)
   assert "cannot be loaded" in status.reason and str(bad) in status.reason
+  _cpu_host(monkeypatch)
   assert _kernel_warnings() == []  # plain CPU host: no kernels expected, no warning
   _cuda_host(monkeypatch)
   (w,) = _kernel_warnings(calls=3)
@@ -81,6 +87,7 @@ def test_never_built(monkeypatch, tmp_path):
   monkeypatch.setattr(library, "library_path", lambda: tmp_path / library.LIBRARY_NAME)
   status = _unusable()
   assert status.reason.startswith("the kernel library was not built into this install")
+  _cpu_host(monkeypatch)
   assert _kernel_warnings() == []
   _cuda_host(monkeypatch)
   (w,) = _kernel_warnings()
@@ -156,14 +163,15 @@ def test_built_library_reports_its_build(monkeypatch):
 
 
 def test_attention_backends_reads_the_lowered_program(kernels_built):
-  """On this CPU the program runs on pure JAX; lowered for CUDA it calls the kernels, forward and backward."""
+  """On a CPU host the program runs on pure JAX; lowered for CUDA it calls the kernels, forward and backward."""
   q = jax.ShapeDtypeStruct((2, 16, 4, 64), jnp.bfloat16)
 
   def loss(q, k, v):
     return jnp.sum(jax_padsafe.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
 
   here = jax_padsafe.attention_backends(jax.grad(loss, (0, 1, 2)), q, q, q)
-  assert (here.platform, here.forward, here.backward) == (jax.default_backend(), False, False)
+  on_gpu = jax.default_backend() == "gpu"  # a GPU host runs the kernels, any other host pure JAX
+  assert (here.platform, here.forward, here.backward) == (jax.default_backend(), on_gpu, on_gpu)
   cuda = jax_padsafe.attention_backends(jax.grad(loss, (0, 1, 2)), q, q, q, platform="cuda")
   assert cuda.forward and cuda.backward
   assert str(cuda) == "forward on GPU kernels, backward on GPU kernels (cuda)"
