@@ -21,22 +21,11 @@ from jax_padsafe.attention import dot_product_attention, varlen_attention
 from jax_padsafe.introspection import AttentionBackends
 from jax_padsafe.introspection import attention_backends
 from jax_padsafe.introspection import KernelLibraryWarning
+from jax_padsafe.introspection import kernels_available
 from jax_padsafe.introspection import kernels_status
 from jax_padsafe.introspection import KernelStatus
 
 __version__ = "0.1.0"
-
-
-def kernels_available() -> dict:
-  """Which GPU kernels this install carries: ``{"forward": bool, "backward": bool}``.
-
-  True means the CuTe DSL kernel library was built into this install and loads; the kernels then
-  run for supported calls on CUDA devices (sm_80 class and sm_90). It never raises.
-  :func:`kernels_status` says why not, and what the library was built for.
-  """
-  from jax_padsafe._backends.cute import library  # pylint: disable=g-import-not-at-top
-  return {"forward": library.library_available(), "backward": library.backward_available()}
-
 
 __all__ = ["dot_product_attention", "varlen_attention", "kernels_available", "kernels_status",
            "KernelStatus", "KernelLibraryWarning", "attention_backends", "AttentionBackends",

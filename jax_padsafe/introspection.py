@@ -1,5 +1,6 @@
 """What an install carries and where a program's attention runs.
 
+* :func:`kernels_available`: which kernels (forward, backward) this install can run.
 * :func:`kernels_status`: the GPU kernel library of this install: loaded or not and why, the XLA FFI
   API versions of the library and of the running jaxlib, the variants and architectures built.
 * :func:`attention_backends`: whether a function's attention runs on the kernels, forward and
@@ -18,6 +19,16 @@ import jax
 
 from jax_padsafe._backends.cute import library
 from jax_padsafe._backends.cute.library import KernelLibraryWarning
+
+
+def kernels_available() -> dict:
+  """Which GPU kernels this install carries: ``{"forward": bool, "backward": bool}``.
+
+  True means the CuTe DSL kernel library was built into this install and loads; the kernels then
+  run for supported calls on CUDA devices (sm_80 class and sm_90). It never raises.
+  :func:`kernels_status` says why not, and what the library was built for.
+  """
+  return {"forward": library.library_available(), "backward": library.backward_available()}
 
 
 @dataclasses.dataclass(frozen=True)
