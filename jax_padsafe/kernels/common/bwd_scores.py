@@ -5,6 +5,8 @@
   and are turned into P = 0 by a select (never exp(-inf - -inf)).
 * `probs_and_dscale`: recompute P from the score fragment and mask it with selects.
 * `dscores`: dS = P * (dP - Delta) [* (1 - tanh^2)], 0 by select wherever P = 0.
+* `load_row_stats_exact` / `probs_exact`: the same for the aux kernels (masks and biases as tensors),
+  from the forward's separate row max m and ln l, with s - m formed first (see softmax.py).
 """
 
 import math
@@ -119,3 +121,82 @@ def dscores(
             if p == cutlass.Float32(0.0):
                 ds = cutlass.Float32(0.0)
             dp_mn[r, c] = ds
+
+
+# ---------------------------------------------------------------- the aux kernels (natural-unit scores)
+
+@cute.jit
+def load_row_stats_exact(
+    mRowMax: cute.Tensor,
+    mLogSum: cute.Tensor,
+    mDelta: cute.Tensor,
+    head: cutlass.Int32,
+    q_start: cutlass.Int32,
+    q_len: cutlass.Int32,
+    row0: cutlass.Int32,
+    coords: cute.Tensor,
+    row_max: cute.Tensor,
+    log_sum2: cute.Tensor,
+    delta: cute.Tensor,
+    query_mode: cutlass.Constexpr,
+):
+    """`load_row_stats` for the aux kernels: the forward's exact statistics m (row_max) and ln l, the latter
+    as log_sum2 = ln l * log2(e).  Rows at or past q_len are never read: row_max 0, log_sum2 = +inf, delta 0;
+    an empty row (the forward wrote m = 0, ln l = +inf) also gets log_sum2 = +inf and delta 0."""
+    for x in cutlass.range_constexpr(cute.size(log_sum2)):
+        i = cutlass.Int32(0)
+        if cutlass.const_expr(query_mode == 0):
+            i = row0 + coords[x, 0][0]
+        else:
+            i = row0 + coords[0, x][1]
+        m = cutlass.Float32(0.0)
+        l2 = cutlass.Float32.inf
+        d = cutlass.Float32(0.0)
+        if i < q_len:
+            ls = mLogSum[head, q_start + i]
+            if ls != cutlass.Float32.inf:
+                m = mRowMax[head, q_start + i]
+                l2 = ls * LOG2_E
+                d = mDelta[head, q_start + i]
+        row_max[x] = m
+        log_sum2[x] = l2
+        delta[x] = d
+
+
+@cute.jit
+def probs_exact(
+    s_mn: cute.Tensor,
+    c_mn: cute.Tensor,
+    row_max: cute.Tensor,
+    log_sum2: cute.Tensor,
+    q0: cutlass.Int32,
+    k0: cutlass.Int32,
+    k_len: cutlass.Int32,
+    off: cutlass.Int32,
+    left: cutlass.Int32,
+    right: cutlass.Int32,
+    need_mask: cutlass.Boolean,
+    query_mode: cutlass.Constexpr,
+):
+    """In place: natural-unit scores s (aux_scores.scores: q.k * scale + bias, -inf where the mask hides) ->
+    P = exp2((s - m) * log2(e) - ln l * log2(e)).  The difference s - m comes first, so a bias as large as
+    finfo(float32).min gives the same P as a small one.  P = 0 by select for pairs the visibility rule hides
+    and for rows with the sentinel log_sum2 = +inf."""
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            x = r if cutlass.const_expr(query_mode == 0) else c
+            l2 = log_sum2[x]
+            p = cute.math.exp2((s_mn[r, c] - row_max[x]) * LOG2_E - l2, fastmath=True)
+            if l2 == cutlass.Float32.inf:
+                p = cutlass.Float32(0.0)
+            if need_mask:
+                i = q0 + c_mn[r, c][0]
+                j = k0 + c_mn[r, c][1]
+                if cutlass.const_expr(query_mode == 1):
+                    i = q0 + c_mn[r, c][1]
+                    j = k0 + c_mn[r, c][0]
+                lo = cutlass.max(i + off - left, 0)
+                hi = cutlass.min(i + off + right + 1, k_len)
+                if j < lo or j >= hi:
+                    p = cutlass.Float32(0.0)
+            s_mn[r, c] = p

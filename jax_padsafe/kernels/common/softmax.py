@@ -4,6 +4,13 @@ Scores s arrive either already in the exp2 domain (multiplied by scale*log2(e), 
 with mul = 1, or raw (q.k) with mul = scale*log2(e) > 0 folded into one FFMA per element.
 Masked entries are -inf.  Per row the state is (m, l): running max of the raw scores and this
 thread's partial sum of exp2(s*mul - m*mul).
+
+The aux kernels (masks and biases given as tensors, `aux_scores`) pass natural-unit scores with
+mul = log2(e) and `exact=True`: the difference s - m is taken before the multiplication.  A bias as large
+as finfo(float32).min is finite in natural units but not times log2(e), and with |m| ~ 1e30 the product
+s*mul - m*mul loses every bit of s - m; the difference of two floats of one row is exact.  `finalize_exact`
+then keeps m and ln(l) apart (`lse = m + ln l` rounds to m when |m| >> ln l), so that the backward can
+recompute P = exp(s - m - ln l) exactly.
 """
 
 import math
@@ -66,8 +73,37 @@ def finalize(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse:
 
 
 @cute.jit
+def finalize_exact(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor,
+                   max_out: cute.Tensor, log_sum: cute.Tensor):
+    """`finalize` for natural-unit scores (mul = log2 e, `exact` steps): O /= l, lse = m + ln l, and the
+    backward's exact statistics max_out = m, log_sum = ln l.  A row that saw no visible key gets O = 0,
+    lse = -inf, max_out = 0 and log_sum = +inf (P = exp(s - 0 - inf) = 0 for every s)."""
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        l = quad_allreduce(row_sum[r], lambda a, b: a + b)
+        m = row_max[r]
+        empty = l == cutlass.Float32(0.0)
+        inv = cutlass.Float32(0.0)
+        lse_r = -cutlass.Float32.inf
+        m_r = cutlass.Float32(0.0)
+        ln_l = cutlass.Float32.inf
+        if not empty:
+            inv = cute.arch.rcp_approx(l)
+            ln_l = cute.math.log2(l, fastmath=False) * LN2
+            lse_r = m + ln_l
+            m_r = m
+        o_mn[r, None] = o_mn[r, None].load() * inv
+        for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+            if empty:
+                o_mn[r, c] = cutlass.Float32(0.0)
+        lse[r] = lse_r
+        max_out[r] = m_r
+        log_sum[r] = ln_l
+
+
+@cute.jit
 def online_softmax_step_alpha(
-    s_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor, mul: cutlass.Float32
+    s_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor, mul: cutlass.Float32,
+    exact: cutlass.Constexpr = False,
 ):
     """One online-softmax step without touching O: s becomes probabilities in place, (m, l) are
     updated, and the per-row rescale factors go to `alpha`.  Used directly by a caller whose O
@@ -85,9 +121,13 @@ def online_softmax_step_alpha(
         m_safe = m_new
         if m_new == -cutlass.Float32.inf:
             m_safe = cutlass.Float32(0.0)
-        m_scaled = m_safe * mul
-        p = cute.math.exp2(row * mul - m_scaled, fastmath=True)
-        a = cute.math.exp2(m_old * mul - m_scaled, fastmath=True)
+        if cutlass.const_expr(exact):
+            p = cute.math.exp2((row - m_safe) * mul, fastmath=True)
+            a = cute.math.exp2((m_old - m_safe) * mul, fastmath=True)
+        else:
+            m_scaled = m_safe * mul
+            p = cute.math.exp2(row * mul - m_scaled, fastmath=True)
+            a = cute.math.exp2(m_old * mul - m_scaled, fastmath=True)
         row_sum[r] = row_sum[r] * a + p.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
         row_max[r] = m_new
         alpha[r] = a

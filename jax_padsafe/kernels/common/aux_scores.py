@@ -1,0 +1,189 @@
+"""Masks and additive biases given as tensors (the kernels' "aux" inputs), and the mask's block summary.
+
+The aux variants of the kernels take the padded layout only: sequence b's query i is row i of the mask and
+bias, its key j column j.  Per call (the FFI handler's arguments, `_backends/cute/aux.py` builds them):
+  mask      Uint8 (Bx, Hx, Tx, S): 0 hides key j from query i (FLAG_MASK);
+  bias      input dtype (Bx, Hx, Tx, S) (FLAG_BIAS) or bias32 Float32 (FLAG_BIAS32): added to the score;
+  tile_map  Uint8 (Bx, Hx, Mx, Nx): the mask per block of MAP_ROWS queries x MAP_COLS keys, HIDDEN / MIXED /
+            VISIBLE (cells past the tensor's end do not count); Mx = ceil(Tx / MAP_ROWS), Nx = ceil(S / MAP_COLS);
+  row_range Int32 (Bx, Hx, Mx, 2): per row block, [lo, hi) of the column blocks holding a visible cell
+            ((Nx, 0) when none); col_range Int32 (Bx, Hx, Nx, 2): per column block, the row blocks ((Mx, 0)).
+A tensor that is absent is a (1, 1, 1, 1) placeholder with its flag clear.  Broadcasting: Bx in {1, B},
+Hx in {1, K, N} (per query head, per key/value head, or shared), Tx in {1, T}; the element of (b, head, i, j)
+is [min(b, Bx - 1), head // (N // Hx), min(i, Tx - 1), j].
+
+Pad safety: a mask or bias element is read only for i < q_len and j < k_len (the valid rectangle, inside the
+tensor since q_len <= T and k_len <= S), one element per load (no vector load can straddle a row or the end
+of the tensor at any S or alignment).  Everything outside the rectangle is hidden by the visibility mask,
+with selects.  The block summary is computed over the whole tensor, padding included: a poisoned padding
+cell can only turn a HIDDEN or VISIBLE block into MIXED (more work, the same values bitwise: a block whose
+every pair is hidden contributes exact zeros and leaves the softmax state unchanged).
+"""
+
+import math
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+
+LOG2_E = math.log2(math.e)
+
+FLAG_MASK = 1
+FLAG_BIAS = 2
+FLAG_BIAS32 = 4
+
+MAP_ROWS = 32  # divides every kernel's query tile
+MAP_COLS = 16  # divides every kernel's key tile (80 and 112 included)
+
+HIDDEN = 0
+MIXED = 1
+VISIBLE = 2
+
+
+class AuxView(NamedTuple):
+    """The aux inputs of one (sequence, query head): 2-D views (rows, cols) and the call's flags."""
+    mask: cute.Tensor  # (Tx, S)
+    bias: cute.Tensor  # (Tx, S)
+    bias32: cute.Tensor  # (Tx, S)
+    tile_map: cute.Tensor  # (Mx, Nx)
+    row_range: cute.Tensor  # (Mx, 2)
+    col_range: cute.Tensor  # (Nx, 2)
+    flags: cutlass.Int32
+
+
+@cute.jit
+def view(mMask: cute.Tensor, mBias: cute.Tensor, mBias32: cute.Tensor, mTileMap: cute.Tensor,
+         mRowRange: cute.Tensor, mColRange: cute.Tensor, flags: cutlass.Int32, batch: cutlass.Int32,
+         head: cutlass.Int32, num_heads: cutlass.Int32) -> AuxView:
+    """The AuxView of query head `head` of sequence `batch`.  Each tensor broadcasts on its own (a placeholder
+    is (1, 1, 1, 1)), so index each with its own sizes."""
+
+    def bh(t):
+        b = cutlass.min(batch, cute.size(t.shape[0]) - 1)
+        h = head // (num_heads // cute.size(t.shape[1]))
+        return t[b, h, None, None]
+
+    return AuxView(bh(mMask), bh(mBias), bh(mBias32), bh(mTileMap), bh(mRowRange), bh(mColRange), flags)
+
+
+@cute.jit
+def has_mask(v: AuxView) -> cutlass.Boolean:
+    return (v.flags & FLAG_MASK) != 0
+
+
+@cute.jit
+def tile_class(v: AuxView, m_block: cutlass.Int32, n_block: cutlass.Int32, block_m: cutlass.Constexpr,
+               block_n: cutlass.Constexpr) -> cutlass.Int32:
+    """HIDDEN, MIXED or VISIBLE for the (block_m x block_n) tile (m_block, n_block); VISIBLE without a mask.
+
+    Warp-collective (every lane of the calling warp must call it): lane x reads the x-th map entry of the
+    tile (block_m / MAP_ROWS x block_n / MAP_COLS <= 32 entries for every kernel tile), two votes combine them.
+    Rows and columns past the map's end are clamped to its last entry, which the tile already covers, so they
+    change nothing (and a broadcast Tx = 1 reads its one row)."""
+    rows = block_m // MAP_ROWS
+    cols = block_n // MAP_COLS
+    assert rows * cols <= 32 and rows * MAP_ROWS == block_m and cols * MAP_COLS == block_n
+    cls = cutlass.Int32(VISIBLE)
+    if has_mask(v):
+        lane = cute.arch.lane_idx()
+        e = cutlass.Int32(MIXED)
+        if lane < rows * cols:
+            r = cutlass.min(m_block * rows + lane // cols, cute.size(v.tile_map.shape[0]) - 1)
+            c = cutlass.min(n_block * cols + lane % cols, cute.size(v.tile_map.shape[1]) - 1)
+            e = cutlass.Int32(v.tile_map[r, c])
+        all_visible = cute.arch.vote_all_sync(e == VISIBLE or lane >= rows * cols)
+        all_hidden = cute.arch.vote_all_sync(e == HIDDEN or lane >= rows * cols)
+        cls = cutlass.Int32(MIXED)
+        if all_visible:
+            cls = cutlass.Int32(VISIBLE)
+        if all_hidden:
+            cls = cutlass.Int32(HIDDEN)
+    return cls
+
+
+@cute.jit
+def key_tiles(v: AuxView, m_block: cutlass.Int32, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr,
+              n_min: cutlass.Int32, n_max: cutlass.Int32):
+    """[n_min, n_max) narrowed to the key tiles where the mask shows query tile m_block a visible cell (no mask:
+    unchanged).  Empty: n_max == n_min."""
+    lo_t = n_min
+    hi_t = n_max
+    if has_mask(v):
+        last = cute.size(v.row_range.shape[0]) - 1
+        lo = cute.size(v.tile_map.shape[1])
+        hi = cutlass.Int32(0)
+        for a in cutlass.range_constexpr(block_m // MAP_ROWS):
+            r = cutlass.min(m_block * (block_m // MAP_ROWS) + a, last)
+            lo = cutlass.min(lo, v.row_range[r, 0])
+            hi = cutlass.max(hi, v.row_range[r, 1])
+        lo_t = cutlass.max(n_min, lo * MAP_COLS // block_n)
+        hi_t = cutlass.min(n_max, (hi * MAP_COLS + block_n - 1) // block_n)
+        if hi_t < lo_t:
+            hi_t = lo_t
+    return lo_t, hi_t
+
+
+@cute.jit
+def query_tiles(v: AuxView, n_block: cutlass.Int32, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr,
+                m_min: cutlass.Int32, m_max: cutlass.Int32):
+    """[m_min, m_max) narrowed to the query tiles where the mask shows key tile n_block a visible cell (no mask:
+    unchanged).  A mask broadcast over queries (Tx = 1) narrows nothing unless no query sees the key tile."""
+    lo_t = m_min
+    hi_t = m_max
+    if has_mask(v):
+        last = cute.size(v.col_range.shape[0]) - 1
+        lo = cute.size(v.tile_map.shape[0])
+        hi = cutlass.Int32(0)
+        for a in cutlass.range_constexpr(block_n // MAP_COLS):
+            c = cutlass.min(n_block * (block_n // MAP_COLS) + a, last)
+            lo = cutlass.min(lo, v.col_range[c, 0])
+            hi = cutlass.max(hi, v.col_range[c, 1])
+        if cute.size(v.mask.shape[0]) == 1 and hi > lo:
+            lo = cutlass.Int32(0)
+            hi = (m_max * block_m + MAP_ROWS - 1) // MAP_ROWS
+        lo_t = cutlass.max(m_min, lo * MAP_ROWS // block_m)
+        hi_t = cutlass.min(m_max, (hi * MAP_ROWS + block_m - 1) // block_m)
+        if hi_t < lo_t:
+            hi_t = lo_t
+    return lo_t, hi_t
+
+
+@cute.jit
+def bias_at(v: AuxView, i: cutlass.Int32, j: cutlass.Int32) -> cutlass.Float32:
+    """The bias of valid pair (i, j) as float32 (0 without a bias)."""
+    r = cutlass.min(i, cute.size(v.bias32.shape[0]) - 1)
+    b = cutlass.Float32(0.0)
+    if (v.flags & FLAG_BIAS32) != 0:
+        b = v.bias32[r, j]
+    if (v.flags & FLAG_BIAS) != 0:
+        b = v.bias[cutlass.min(i, cute.size(v.bias.shape[0]) - 1), j].to(cutlass.Float32)
+    return b
+
+
+@cute.jit
+def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32,
+           q_len: cutlass.Int32, k_len: cutlass.Int32, scale: cutlass.Float32, cls: cutlass.Int32,
+           query_mode: cutlass.Constexpr):
+    """In place: raw scores q.k -> natural-unit scores q.k * scale + bias, -inf where the mask hides the pair.
+
+    `c_mn` holds the tile-local coordinates matching `s_mn`; `query_mode` 0: queries are rows (query q0 + row,
+    key k0 + col), 1: queries are columns.  Only pairs inside the valid rectangle read the mask or bias; the
+    others keep q.k * scale, and the caller's visibility mask (after this) hides them.  `cls` is the tile's
+    tile_class: HIDDEN sets every pair to -inf without a load, VISIBLE skips the mask."""
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            i = q0 + c_mn[r, c][0]
+            j = k0 + c_mn[r, c][1]
+            if cutlass.const_expr(query_mode == 1):
+                i = q0 + c_mn[r, c][1]
+                j = k0 + c_mn[r, c][0]
+            s = s_mn[r, c] * scale
+            if i < q_len and j < k_len:
+                if (v.flags & (FLAG_BIAS | FLAG_BIAS32)) != 0:
+                    s = s + bias_at(v, i, j)
+                if cls == MIXED:
+                    if v.mask[cutlass.min(i, cute.size(v.mask.shape[0]) - 1), j] == 0:
+                        s = -cutlass.Float32.inf
+            if cls == HIDDEN:
+                s = -cutlass.Float32.inf
+            s_mn[r, c] = s
