@@ -5,7 +5,7 @@
 #   scripts/gpu_check.sh test [ARGS]     # python3 -m pytest -m gpu tests [ARGS]; logs and JUnit XML in $OUT or ./gpu_out
 #
 # ARGS pass through to pytest, e.g. `test tests/gpu/test_backward.py` (one module), `test tests -k hd128`, or
-# `test tests -m "gpu and not large"`.  Build settings: JPS_ARCHS, JPS_DTYPES, JPS_HEAD_DIMS, JPS_SOFTCAP, JPS_JOBS.
+# `test tests -m "gpu and not large"`.  Build settings: JPS_ARCHS, JPS_DTYPES, JPS_HEAD_DIMS, JPS_SOFTCAP, JPS_AUX, JPS_JOBS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}; shift || true

@@ -3,7 +3,7 @@
     python -m jax_padsafe.kernels.build --out DIR [--archs sm_80,sm_90a] [--dtypes bf16,fp16]
         [--head-dims 64,96,128,192,256] [--softcap 0,1] [--jobs N]
 
-Each option defaults to its environment variable (JPS_ARCHS, JPS_DTYPES, JPS_HEAD_DIMS, JPS_SOFTCAP, JPS_JOBS),
+Each option defaults to its environment variable (JPS_ARCHS, JPS_DTYPES, JPS_HEAD_DIMS, JPS_SOFTCAP, JPS_AUX, JPS_JOBS),
 else to the full matrix (variants.py) and the CPU count. Every variant is compiled in a worker process of a pool
 (the DSL reads the target arch from CUTE_DSL_ARCH when it traces) and exported as `<export>.o` + `<export>.h`;
 a variant whose cache key is unchanged (cache.py) is reused. Then the registry headers and object lists that
@@ -36,10 +36,13 @@ def _parse(argv):
     ap.add_argument("--dtypes", default=env("JPS_DTYPES") or ",".join(V.DTYPES))
     ap.add_argument("--head-dims", default=env("JPS_HEAD_DIMS") or ",".join(map(str, V.HEAD_DIMS)))
     ap.add_argument("--softcap", default=env("JPS_SOFTCAP") or "0,1", help="0: without, 1: with softcap")
+    ap.add_argument("--aux", default=env("JPS_AUX") or "0,1",
+                    help="0: the variants without, 1: with mask and bias tensors (softcap off only)")
     ap.add_argument("--jobs", type=int, default=int(env("JPS_JOBS") or os.cpu_count() or 1))
     a = ap.parse_args(argv)
     archs, dtypes, head_dims = _csv(a.archs), _csv(a.dtypes), _csv(a.head_dims, int)
     softcap = _csv(a.softcap, lambda x: bool(int(x)))
+    aux = _csv(a.aux, lambda x: bool(int(x)))
     for arch in archs:
         if arch not in V.ARCH_CODE:
             ap.error(f"unknown arch {arch} (known: {', '.join(V.ARCH_CODE)})")
@@ -49,7 +52,7 @@ def _parse(argv):
     for h in head_dims:
         if h not in V.TUNING["sm80"]:
             ap.error(f"head dim {h} has no tuning row (known: {', '.join(map(str, V.TUNING['sm80']))})")
-    return a, V.matrix(archs, dtypes, head_dims, softcap) + V.zero_rows_kernels(archs)
+    return a, V.matrix(archs, dtypes, head_dims, softcap, aux=aux) + V.zero_rows_kernels(archs)
 
 
 def main(argv=None):

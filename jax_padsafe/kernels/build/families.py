@@ -76,6 +76,32 @@ _BWD_SM90 = dict(_BWD, dkdv=Signature(_BWD["dkdv"].tensors + (Tensor("mTileCount
                                       _BWD["dkdv"].scalars),
                  dq=Signature(_BWD["dq"].tensors + (Tensor("mTileCounter", "{a->tile_counters + 1, {1}}"),),
                               _BWD["dq"].scalars))
+# The aux variants (masks and biases as tensors, kernels/common/aux_scores.py) append, after every other tensor:
+# the mask (Uint8), the bias in the input dtype and in float32 (each [Bx, Hx, Tx, S]), the mask's block map
+# [Bx, Hx, Mx, Nx] and its row ranges [Bx, Hx, Mx, 2] (forward, dQ) or column ranges [Bx, Hx, Nx, 2] (dK/dV), and
+# the forward's exact row statistics (row max, ln of the row sum; [N, total_q] float32); and the scalar aux_flags
+# after every other scalar.
+_A4 = "{a->%s, {a->%s[0], a->%s[1], a->%s[2], a->%s[3]}, {%s}}"
+
+
+def _aux4(name: str, ptr: str, dims: str) -> Tensor:
+    strides = f"(int64_t)a->{dims}[1] * a->{dims}[2] * a->{dims}[3], (int64_t)a->{dims}[2] * a->{dims}[3], " \
+              f"(int64_t)a->{dims}[3]"
+    return Tensor(name, _A4 % (ptr, dims, dims, dims, dims, strides), ptr, 4, 3)
+
+
+def _aux_tensors(ranges: str) -> tuple:
+    rng = "row_range" if ranges == "rows" else "col_range"
+    return (_aux4("mMask", "mask", "mask_dims"), _aux4("mBias", "bias", "bias_dims"),
+            _aux4("mBias32", "bias32", "bias32_dims"), _aux4("mTileMap", "tile_map", "map_dims"),
+            _aux4("mRowRange" if ranges == "rows" else "mColRange", rng, f"{rng}_dims"),
+            Tensor("mRowMax", _R % "row_max", "rmax", 2, 1), Tensor("mLogSum", _R % "log_sum", "lsum", 2, 1))
+
+
+def _with_aux(sig: Signature, ranges: str) -> Signature:
+    return Signature(sig.tensors + _aux_tensors(ranges), sig.scalars + ", a->aux_flags")
+
+
 # Row zeroing: two outputs seen as int32 [rows, 16-byte words, 4] (the same one twice for one output), cu_seqlens_q.
 _ZERO_ROWS = Signature((Tensor("mA", "{a, {rows, words}, {(int64_t)words * 4}}", "ta"),
                         Tensor("mB", "{b, {rows, words}, {(int64_t)words * 4}}", "tb"),
@@ -87,8 +113,12 @@ def signature(v, kernel: str = "") -> Signature:
     if isinstance(v, ZeroRowsKernel):
         return _ZERO_ROWS
     if v.kind == "fwd":
-        return Signature(_FWD_SM90 if v.family == "sm90" else _FWD, _FWD_SCALARS)
-    return (_BWD_SM90 if v.family == "sm90" else _BWD)[kernel]
+        sig = Signature(_FWD_SM90 if v.family == "sm90" else _FWD, _FWD_SCALARS)
+        return _with_aux(sig, "rows") if v.aux else sig
+    sig = (_BWD_SM90 if v.family == "sm90" else _BWD)[kernel]
+    if v.aux and kernel != "pre":
+        return _with_aux(sig, "rows" if kernel == "dq" else "cols")
+    return sig
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -114,6 +144,29 @@ def _dtype(v: Variant):
     import cutlass
 
     return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[v.dtype]
+
+
+def _aux_kw(v: Variant) -> dict:
+    """The kernel constructors' `aux` keyword, passed only for aux variants (the others compile as before)."""
+    return {"aux": True} if v.aux else {}
+
+
+def _fake_aux(dt) -> tuple:
+    """Fake tensors of the aux parameters (see `_aux_tensors`): element loads only, so byte alignment."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    def t4(elem, align):
+        return make_fake_compact_tensor(elem, tuple(cute.sym_int() for _ in range(4)), stride_order=(3, 2, 1, 0),
+                                        assumed_align=align)
+
+    def rows():
+        return make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0),
+                                        assumed_align=4)
+
+    return (t4(cutlass.Uint8, 1), t4(dt, dt.width // 8), t4(cutlass.Float32, 4), t4(cutlass.Uint8, 1),
+            t4(cutlass.Int32, 4), rows(), rows())
 
 
 def _export(compiled, out: str, name: str):
@@ -144,7 +197,8 @@ def _compile_fwd_sm80(v: Variant, out: str) -> dict:
     from ..sm80.fwd import FlashFwdSm80
 
     bm, bn, nt = v.tuning.fwd
-    kern = FlashFwdSm80(_dtype(v), v.head_dim, bm, bn, nt, v.softcap, stages=sm80_fwd_stages(v.arch, v.head_dim))
+    kern = FlashFwdSm80(_dtype(v), v.head_dim, bm, bn, nt, v.softcap, stages=sm80_fwd_stages(v.arch, v.head_dim),
+                        **_aux_kw(v))
     return _compile_fwd(v, out, kern, counter=False)
 
 
@@ -154,7 +208,7 @@ def _compile_fwd_sm90(v: Variant, out: str) -> dict:
     t = v.tuning
     bm, bn, stages = t.fwd
     kern = FlashFwdSm90(_dtype(v), v.head_dim, bm, bn, stages, v.softcap, prefetch_next_tile=t.fwd_prefetch_next_tile,
-                        pin_pv_wait=t.fwd_pin_pv_wait, rescale_o_early=t.fwd_rescale_o_early)
+                        pin_pv_wait=t.fwd_pin_pv_wait, rescale_o_early=t.fwd_rescale_o_early, **_aux_kw(v))
     return _compile_fwd(v, out, kern, counter=True)
 
 
@@ -173,7 +227,8 @@ def _compile_fwd(v: Variant, out: str, kern, counter: bool) -> dict:
     lse = make_fake_compact_tensor(cutlass.Float32, (sym(), sym()), stride_order=(1, 0), assumed_align=4)
     # cu_seqlens_q/k, seqused_q/k (+ the sm90 family's tile counter).
     vec = [make_fake_compact_tensor(cutlass.Int32, (sym(),), assumed_align=4) for _ in range(5 if counter else 4)]
-    compiled = cute.compile(kern, q, k, v_, o, lse, *vec, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(),
+    aux, flags = (_fake_aux(dt), (0,)) if v.aux else ((), ())
+    compiled = cute.compile(kern, q, k, v_, o, lse, *vec, *aux, 1.0, 1.0, 0, 0, 0, 1, *flags, make_fake_stream(),
                             options=f"--gpu-arch {v.arch}")
     _export(compiled, out, v.prefix)
     return {}
@@ -214,21 +269,23 @@ def _compile_bwd(v: Variant, out: str) -> dict:
         # The constructors take (dtype, head_dim, block_m, block_n, stages, softcap): the tile's third entry is
         # a stage count here.
         passes = {"dkdv": BwdDKDVSm90(dt, H, bm, bn, nt, v.softcap, pin_waits=t.bwd_pin_waits,
-                                      queue_dense=t.dkdv_queue_dense)}
+                                      queue_dense=t.dkdv_queue_dense, **_aux_kw(v))}
         dq_kernel = BwdDQSm90(dt, H, bm_q, bn_q, nt_q, v.softcap, pin_waits=t.bwd_pin_waits,
-                              queue_dense=t.dq_queue_dense)
+                              queue_dense=t.dq_queue_dense, **_aux_kw(v))
     else:
         # One kernel class; the split variants compile it twice with a compile-time output selector.
-        passes = {kind: BwdDKDV(dt, H, bm, bn, nt, v.softcap, outputs=kind)
+        passes = {kind: BwdDKDV(dt, H, bm, bn, nt, v.softcap, outputs=kind, **_aux_kw(v))
                   for kind in v.kernels if kind in ("dkdv", "dv", "dk")}
-        dq_kernel = BwdDQ(dt, H, bm_q, bn_q, nt_q, v.softcap)
+        dq_kernel = BwdDQ(dt, H, bm_q, bn_q, nt_q, v.softcap, **_aux_kw(v))
     counter = (i1(),) if v.family == "sm90" else ()  # sm90: the tile counter, after seqused_k
+    aux = (lambda: _fake_aux(dt)) if v.aux else (lambda: ())
+    flags = (0,) if v.aux else ()
     for kind, kern in passes.items():
         dkdv = cute.compile(kern, x3(), x3(), x3(), x3(), f2(), f2(), x3(), x3(), i1(), i1(), i1(), i1(), *counter,
-                            1.0, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(), options=opts)
+                            *aux(), 1.0, 1.0, 1.0, 0, 0, 0, 1, *flags, make_fake_stream(), options=opts)
         _export(dkdv, out, f"{p}_{kind}")
     dq = cute.compile(dq_kernel, x3(), x3(), x3(), x3(), f2(), f2(), x3(), i1(), i1(), i1(), i1(), *counter,
-                      1.0, 1.0, 1.0, 0, 0, 0, 1, make_fake_stream(), options=opts)
+                      *aux(), 1.0, 1.0, 1.0, 0, 0, 0, 1, *flags, make_fake_stream(), options=opts)
     _export(dq, out, p + "_dq")
     # Which kernels were compiled to queue every layout, read off the kernel objects themselves: the registry's
     # queue_all (the handler's cue to zero their tile counters on every call) then cannot disagree with them.

@@ -1,8 +1,10 @@
 """The variant matrix of every kernel the build compiles, forward and backward, and the tuning table.
 
-A variant is fixed at build time by (kind, family, arch, dtype, head dim, softcap on/off); everything else
+A variant is fixed at build time by (kind, family, arch, dtype, head dim, softcap on/off, aux); everything else
 (lengths, head counts, scale, window, causal alignment, max_seqlen_q) is a run-time argument. Causal
-attention is a window with right = 0, so it needs no variant of its own.
+attention is a window with right = 0, so it needs no variant of its own.  `aux` variants take masks and
+biases as tensors (`kernels/common/aux_scores.py`; which of them a call passes is a run-time flag); they are
+built without softcap only.
 
 Kernel families:
 - "sm80": mma.sync + cp.async (forward `fwd_sm80.FlashFwdSm80`, backward `bwd_sm80`); built for every arch.
@@ -22,6 +24,7 @@ ARCHS = ("sm_80", "sm_90a")
 DTYPES = ("bf16", "fp16")
 HEAD_DIMS = (64, 96, 128, 192, 256)
 SOFTCAP = (False, True)
+AUX = (False, True)
 KINDS = ("fwd", "bwd")
 
 # Codes shared with ffi/ (the registry tables): dtype, family and arch codes.
@@ -130,11 +133,14 @@ class Variant:
     head_dim: int
     softcap: bool
     family: str = "sm80"
+    aux: bool = False
 
     @property
     def prefix(self) -> str:
         fam = "" if self.family == "sm80" else f"{self.family}k_"
-        return f"jps_{self.kind}_{fam}{self.arch}_{self.dtype}_hd{self.head_dim}_{'cap' if self.softcap else 'nocap'}"
+        aux = "_aux" if self.aux else ""
+        return (f"jps_{self.kind}_{fam}{self.arch}_{self.dtype}_hd{self.head_dim}_{'cap' if self.softcap else 'nocap'}"
+                f"{aux}")
 
     @property
     def tuning(self):
@@ -171,6 +177,8 @@ class Variant:
         opts = {k: v for k, v in vars(self.tuning).items() if (k == "fwd" or k.startswith("fwd_")) == fwd}
         if self.family == "sm80" and fwd:
             opts["fwd_stages"] = sm80_fwd_stages(self.arch, self.head_dim)
+        if self.aux:
+            opts["aux"] = True
         return opts
 
     @property
@@ -182,7 +190,8 @@ class Variant:
 
     def describe(self) -> str:
         cap = "cap" if self.softcap else "nocap"
-        return f"{self.arch} {self.dtype} hd{self.head_dim} {cap} {self.kind} {self.family}"
+        aux = " aux" if self.aux else ""
+        return f"{self.arch} {self.dtype} hd{self.head_dim} {cap} {self.kind} {self.family}{aux}"
 
 
 @dataclass(frozen=True)
@@ -214,10 +223,14 @@ def family_builds(family: str, arch: str, head_dim: int) -> bool:
     return (archs is None or arch in archs) and head_dim in TUNING[family]
 
 
-def matrix(archs=ARCHS, dtypes=DTYPES, head_dims=HEAD_DIMS, softcap=SOFTCAP, kinds=KINDS):
-    """Every variant of the build, in registry order: per kind, the sm80 family, then the sm90 family."""
-    return [Variant(kind, a, d, h, c, fam) for kind in kinds for fam in FAMILY_CODE for a in archs for d in dtypes
-            for h in head_dims if family_builds(fam, a, h) for c in softcap]
+def matrix(archs=ARCHS, dtypes=DTYPES, head_dims=HEAD_DIMS, softcap=SOFTCAP, kinds=KINDS, aux=AUX):
+    """Every variant of the build, in registry order: per kind, the sm80 family, then the sm90 family (aux
+    variants, softcap off only, after the others of their head dim)."""
+    combos = [(c, False) for c in softcap if False in aux]
+    if True in aux and False in softcap:
+        combos.append((False, True))
+    return [Variant(kind, a, d, h, c, fam, x) for kind in kinds for fam in FAMILY_CODE for a in archs for d in dtypes
+            for h in head_dims if family_builds(fam, a, h) for c, x in combos]
 
 
 def zero_rows_kernels(archs=ARCHS):

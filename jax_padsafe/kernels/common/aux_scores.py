@@ -49,6 +49,7 @@ class AuxView(NamedTuple):
     row_range: cute.Tensor  # (Mx, 2)
     col_range: cute.Tensor  # (Nx, 2)
     flags: cutlass.Int32
+    width: cutlass.Int32  # S of the live mask / bias tensors (the placeholders are 1 wide)
 
 
 @cute.jit
@@ -63,7 +64,12 @@ def view(mMask: cute.Tensor, mBias: cute.Tensor, mBias32: cute.Tensor, mTileMap:
         h = head // (num_heads // cute.size(t.shape[1]))
         return t[b, h, None, None]
 
-    return AuxView(bh(mMask), bh(mBias), bh(mBias32), bh(mTileMap), bh(mRowRange), bh(mColRange), flags)
+    width = cute.size(mBias32.shape[3])
+    if (flags & FLAG_BIAS) != 0:
+        width = cute.size(mBias.shape[3])
+    if (flags & FLAG_MASK) != 0:
+        width = cute.size(mMask.shape[3])
+    return AuxView(bh(mMask), bh(mBias), bh(mBias32), bh(mTileMap), bh(mRowRange), bh(mColRange), flags, width)
 
 
 @cute.jit
@@ -178,7 +184,9 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
                 i = q0 + c_mn[r, c][1]
                 j = k0 + c_mn[r, c][0]
             s = s_mn[r, c] * scale
-            if i < q_len and j < k_len:
+            # j < the tensor's width as well: the FFI handler checks the shapes against the call, not the
+            # lengths in device memory, so this keeps a load inside the allocation whatever they hold.
+            if i < q_len and j < k_len and j < v.width:
                 if (v.flags & (FLAG_BIAS | FLAG_BIAS32)) != 0:
                     s = s + bias_at(v, i, j)
                 if cls == MIXED:
