@@ -36,6 +36,12 @@ O is staged through shared memory and written with 16-byte stores predicated per
 O, rows past q_len up to the sequence's slot end (cu_seqlens_q[b+1]) get zeros, and a tile wholly past
 q_len writes only zeros, so a partial tile never touches the rows of a neighbouring sequence, and
 where the tiles cover every row (`rows_covered`) the handler skips the memset of O.
+
+The aux variant (`aux=True`, masks and biases as tensors; fwd_aux, common/aux_scores.py) takes the mask, bias,
+bias32, tile map and row-range tensors and writes the row max and ln(row sum) besides lse (mRowMax, mLogSum);
+its scores are in natural units (q.k * scale + bias), its softmax takes exact differences, and each tile's
+key range is narrowed by the mask's block summary.  Mask and bias elements are read one at a time inside the
+valid rectangle only.
 """
 
 import cutlass
@@ -44,20 +50,21 @@ import cutlass.pipeline as pipeline
 import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..common import bounds, masking, softmax, tile_queue, tile_schedule, tiles
+from ..common import aux_scores, bounds, masking, softmax, tile_queue, tile_schedule, tiles
 from . import common as sc
+from . import fwd_aux
 from .fwd_producer import FwdProducer
-from .fwd_schedule import SLOT_VALUES, FwdSchedule, FwdTileSchedule
+from .fwd_schedule import FwdSchedule, FwdTileSchedule, slot_values
 
 # Named barrier ids (0 is __syncthreads).
 _BAR_CONSUMERS = 1  # both consumer warpgroups (256 threads)
 _BAR_WG_BASE = 2  # + consumer warpgroup index: one consumer warpgroup (128 threads)
 
 
-class FlashFwdSm90(FwdTileSchedule, FwdProducer):
+class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
     """The forward kernel.  Scheduling (which tiles a CTA takes, the compact kernel's queue) is
     `fwd_schedule.FwdTileSchedule`, the producer warp's loads `fwd_producer.FwdProducer`; the consumers'
-    work (softmax, GEMMs, epilogue) is here.
+    work (softmax, GEMMs, epilogue) is here; the aux variant's entry point and pieces are `fwd_aux`.
 
     Per head dim (the build's variant table): `prefetch_next_tile`, `pin_pv_wait`, `rescale_o_early`."""
 
@@ -67,8 +74,16 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
     persistent_ctas = 132  # SMs of an H100 SXM / H200; more than a smaller part holds is harmless
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool, *,
-                 prefetch_next_tile: bool, pin_pv_wait: bool, rescale_o_early: bool):
+                 prefetch_next_tile: bool, pin_pv_wait: bool, rescale_o_early: bool, aux: bool = False):
         assert head_dim % 32 == 0 and block_m == 128
+        # aux: masks and biases as tensors (fwd_aux); built without softcap only.
+        assert not (aux and has_softcap)
+        self.aux = aux
+        if aux:
+            # The aux variant's entry point takes more arguments (the aux ABI) than `__call__`.  cute.compile
+            # resolves a callable object through `obj.__call__`, which finds this instance attribute first; the
+            # entry's own parameter names name the exported tensor structs.
+            self.__call__ = self.call_aux
         self.dtype = dtype
         self.head_dim = head_dim
         self.block_m = block_m
@@ -130,6 +145,16 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
         max_seqlen_q: cutlass.Int32,
         stream: cuda.CUstream,
     ):
+        self.launch(mQ, mK, mV, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul, window_left,
+                    window_right, bottom_right, max_seqlen_q, stream)
+
+    @cute.jit
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               mCuQ: cute.Tensor, mCuK: cute.Tensor, mUsedQ: cute.Tensor, mUsedK: cute.Tensor,
+               mTileCounter: cute.Tensor, score_mul: cutlass.Float32, cap_mul: cutlass.Float32,
+               window_left: cutlass.Int32, window_right: cutlass.Int32, bottom_right: cutlass.Int32,
+               max_seqlen_q: cutlass.Int32, stream: cuda.CUstream, aux_in=None):
+        """The host side of both entries (`aux_in`: the aux variant's fwd_aux.FwdAux, else None)."""
         dt = self.dtype
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         sQ_layout = sc.smem_layout(dt, BM, HD)
@@ -158,7 +183,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
             # The compact kernel's tile queue: two slots of (tile number, the tile's FwdTile), full / empty
             # barriers.
             mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
-            sTileSlots: cute.struct.MemRange[cutlass.Int32, 2 * SLOT_VALUES]
+            sTileSlots: cute.struct.MemRange[cutlass.Int32, 2 * slot_values(self.aux)]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
@@ -180,12 +205,14 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
             self.launch_schedule(True, compact_per_head, num_heads, batch, tma_atom_Q, tma_Q, tma_atom_K, tma_K,
                                  tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter,
                                  score_mul, cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout,
-                                 tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream)
+                                 tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream,
+                                 aux_in)
         else:
             self.launch_schedule(False, n_mb, num_heads, batch, tma_atom_Q, tma_Q, tma_atom_K, tma_K,
                                  tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter,
                                  score_mul, cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout,
-                                 tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream)
+                                 tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream,
+                                 aux_in)
 
     def make_mma_qk(self):
         """S = Q K^T: both operands K-major in shared memory; each consumer warpgroup owns block_m / 2 rows."""
@@ -233,6 +260,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
         kv_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
         compact: cutlass.Constexpr,
+        aux_in=None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -263,7 +291,8 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
             # reads it and frees the slot (tile_queue).
             queue = tile_queue.create(
                 storage.mbar_tile.data_ptr(),
-                storage.sTileSlots.get_tensor(cute.make_layout((2, SLOT_VALUES), stride=(SLOT_VALUES, 1))),
+                storage.sTileSlots.get_tensor(cute.make_layout((2, slot_values(self.aux)),
+                                                               stride=(slot_values(self.aux), 1))),
                 mTileCounter, self.num_consumer_threads)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -275,7 +304,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
         if cutlass.const_expr(self.separate_o):
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sched = FwdSchedule(n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
-                            window_left, window_right, bottom_right, compact)
+                            window_left, window_right, bottom_right, compact, aux_in)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -319,6 +348,9 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
         mul = cutlass.Float32(1.0)
         if cutlass.const_expr(raw_scores):
             mul = score_mul
+        if cutlass.const_expr(self.aux):
+            # Natural-unit scores (fwd_aux.tile_scores applies the scale): the softmax's exp2 takes log2 e.
+            mul = cutlass.Float32(aux_scores.LOG2_E)
 
         # The wgmma accumulate flag is set once here, never inside staged control flow (a value set in a
         # loop or branch body cannot be used after it): the first k-block of S = Q K^T uses a second
@@ -363,7 +395,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
                cap_mul, mul, tidx, wg, opaque_zero)
         if cutlass.const_expr(queue is None):
             for j in cutlass.range(sched.tiles_per_cta, unroll=1):
-                state_q, state = self.consume_or_zero(self.tile_info(j, sched), ctx, state_q, state)
+                state_q, state = self.consume_or_zero(self.tile_info(j, sched), ctx, state_q, state, sched)
         else:
             # The compact kernel's queue: the tiles the producer claimed, in its order, until a claim past
             # the end.
@@ -373,25 +405,29 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
             while lin < total:
                 info = self.published_info(queue, state_tile)
                 state_tile = tile_queue.release(queue, state_tile)
-                state_q, state = self.consume_or_zero(info, ctx, state_q, state)
+                state_q, state = self.consume_or_zero(info, ctx, state_q, state, sched)
                 lin = tile_queue.peek(queue, state_tile)
 
     @cute.jit
-    def consume_or_zero(self, info, ctx, state_q, state):
+    def consume_or_zero(self, info, ctx, state_q, state, sched):
         """The consumers' part of one tile (`info`: its FwdTile): compute it, or, for a tile wholly past the
         valid length, write the zeros of its rows up to the slot end (none for a compact hole)."""
         BM, HD = self.block_m, self.head_dim
         (present, m_block, head, _, q_start, q_len, _, k_len, off, left, right, n_min, n_max, in_grid,
-         q_slot) = info
+         q_slot, batch) = info
         (sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out, copy_r2s,
          thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP, tOrP, score_mul,
          cap_mul, mul, tidx, wg, opaque_zero) = ctx
         if present:
+            aux_tile = None
+            if cutlass.const_expr(self.aux):
+                # The mask / bias of this tile's (sequence, query head); [n_min, n_max) is already narrowed.
+                aux_tile = (fwd_aux.tile_view(sched.aux, batch, head, sched.num_heads), sched.aux)
             state_q, state = self.consume_tile(
                 sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
                 copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
                 tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg, opaque_zero,
-                m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max)
+                m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max, aux_tile)
         elif in_grid:
             gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (BM, HD), (m_block, 0))
             sc.zero_rows_global(self.dtype, BM, HD, copy_out, gO, m_block * BM, q_slot, tidx)
@@ -402,9 +438,14 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
         self, sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
         copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
         tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg, opaque_zero,
-        m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max,
+        m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max, aux_tile=None,
     ):
+        """One present tile: the key tiles [n_min, n_max) (none: O = 0, lse = -inf), then the epilogue.
+        `aux_tile`: the aux variant's (AuxView of the tile, fwd_aux.FwdAux), else None."""
         BM, HD = self.block_m, self.head_dim
+        view = None
+        if cutlass.const_expr(self.aux):
+            view = aux_tile[0]
         m0 = m_block * BM
         s_shape = rP.shape
         n_rows = cute.size(row_max)
@@ -421,8 +462,8 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
             s_mn = self.transform_and_mask(acc_S, cS_mn, score_mul, cap_mul, n_max - 1, m_block, q_len,
-                                           k_len, off, left, right)
-            softmax.online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul)
+                                           k_len, off, left, right, view)
+            softmax.online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul, exact=self.aux)
             rP.store(acc_S.load().to(self.dtype))
             for it in cutlass.range(n_tiles - 1, unroll=1):
                 n_cur = n_max - 2 - it
@@ -441,8 +482,8 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
                 # Softmax of tile n_cur while P V of tile n_cur + 1 runs; acc_O (being written by
                 # that GEMM) and P are updated only after it completes.
                 s_mn2 = self.transform_and_mask(acc_S2, cS_mn, score_mul, cap_mul, n_cur, m_block, q_len,
-                                                k_len, off, left, right)
-                softmax.online_softmax_step_alpha(s_mn2, row_max, row_sum, alpha, mul)
+                                                k_len, off, left, right, view)
+                softmax.online_softmax_step_alpha(s_mn2, row_max, row_sum, alpha, mul, exact=self.aux)
                 if cutlass.const_expr(self.pin_pv_wait):
                     sc.wgmma_wait_after(row_sum, opaque_zero, 0)
                 warpgroup.wait_group(0)
@@ -465,12 +506,21 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
 
         # ---- epilogue
         lse_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        softmax.finalize(o_mn, row_max, row_sum, lse_rows, mul)
+        if cutlass.const_expr(self.aux):
+            # lse = m + ln l, and m and ln l apart for the backward (a row with no visible key: O = 0, lse = -inf,
+            # m = 0, ln l = +inf).
+            max_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            logsum_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            softmax.finalize_exact(o_mn, row_max, row_sum, lse_rows, max_rows, logsum_rows)
+        else:
+            softmax.finalize(o_mn, row_max, row_sum, lse_rows, mul)
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(n_rows):
                 i = m0 + cO_mn[r, 0][0]
                 if i < q_len:
                     mLSE[head, q_start + i] = lse_rows[r]
+            if cutlass.const_expr(self.aux):
+                fwd_aux.store_row_stats(aux_tile[1], max_rows, logsum_rows, cO_mn, m0, head, q_start, q_len)
 
         # O: registers -> shared (sO: its own buffer, or sQ) -> global, valid rows only.  The first barrier
         # orders this tile's writes after the previous tile's reads of sO and, when sO is sQ, after every
@@ -539,11 +589,17 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer):
     def transform_and_mask(self, acc_S: cute.Tensor, cS_mn: cute.Tensor, score_mul: cutlass.Float32,
                            cap_mul: cutlass.Float32, n_block: cutlass.Int32, m_block: cutlass.Int32,
                            q_len: cutlass.Int32, k_len: cutlass.Int32, off: cutlass.Int32, left: cutlass.Int32,
-                           right: cutlass.Int32):
+                           right: cutlass.Int32, view=None):
+        """Scores of one tile as the softmax takes them (soft-capped or raw; aux: natural units with bias and
+        mask, `view` the tile's AuxView), -inf where a key is not visible."""
         BM, BN = self.block_m, self.block_n
         if cutlass.const_expr(self.has_softcap):
             acc_S.store(cute.math.tanh(acc_S.load() * score_mul, fastmath=False) * cap_mul)
         s_mn = masking.acc_mn_view_sm90(acc_S)
+        if cutlass.const_expr(self.aux):
+            # Bias and mask first (they read only inside the valid rectangle), then the visibility mask as in
+            # the plain kernel: pairs outside the rectangle become -inf by select whatever they hold.
+            fwd_aux.tile_scores(s_mn, cS_mn, view, m_block, n_block, BM, BN, q_len, k_len, score_mul)
         if bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right):
             masking.apply_visibility_mask(s_mn, cS_mn, m_block * BM, n_block * BN, k_len, off, left, right)
         return s_mn

@@ -1,5 +1,8 @@
 """The Hopper forward's producer warp: TMA loads of Q, K and V into the shared-memory pipelines, the claim of
-the compact kernel's next tile, and the L2 prefetch of the next tile's first blocks."""
+the compact kernel's next tile, and the L2 prefetch of the next tile's first blocks.
+
+It loads the key tiles [n_min, n_max) of the tile info (fwd_schedule), which in the aux variant is already
+narrowed by the mask's block summary: the same range the consumers walk, so every stage it fills is consumed."""
 
 import cutlass
 import cutlass.cute as cute
@@ -33,7 +36,7 @@ class FwdProducer:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for j in cutlass.range(sched.tiles_per_cta, unroll=1):
             (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
-             n_max, _, _) = self.tile_info(j, sched)
+             n_max, _, _, _) = self.tile_info(j, sched)
             if present:
                 state_q, state = self.produce_tile(
                     tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
@@ -57,7 +60,7 @@ class FwdProducer:
         lin, info, state_tile = self.claim_published(queue, state_tile, sched)
         while lin < total:
             (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
-             n_max, _, _) = info
+             n_max, _, _, _) = info
             next_lin = lin
             next_info = info
             if present:
@@ -174,7 +177,7 @@ class FwdProducer:
     def prefetch_info_l2(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, info, wanted):
         """prefetch_tile_l2 of the tile that `info` (a FwdTile) describes, if `wanted`."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
-        (present, m_block, head, head_kv, q_start, _, k_start, _, _, _, _, n_min, n_max, _, _) = info
+        (present, m_block, head, head_kv, q_start, _, k_start, _, _, _, _, n_min, n_max, _, _, _) = info
         if wanted:
             if present:
                 gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD), (m_block, 0))

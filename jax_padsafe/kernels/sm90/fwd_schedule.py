@@ -6,6 +6,10 @@ are enough tiles for >= 2 waves of 132 SMs per tile-per-CTA.  Compact schedule (
 grid would be mostly empty, `tile_schedule.use_compact_grid`): one wave of persistent CTAs whose producer warp
 claims tiles from a counter and publishes each one decoded in a slot of the tile queue (`claim_published`),
 which the consumers read (`published_info`).  `tile_info_lin` decodes a linear tile number for both.
+
+The aux variant (masks as tensors, `fwd_aux`) narrows each tile's key-tile range in `tile_info_lin` itself, so
+the producer's loads and the consumers' steps (dense: both decode; compact: the consumers read what the
+producer published) cover the same key tiles.
 """
 
 from typing import NamedTuple
@@ -14,6 +18,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common import bounds, tile_queue, tile_schedule
+from . import fwd_aux
 
 
 class FwdTile(NamedTuple):
@@ -21,7 +26,8 @@ class FwdTile(NamedTuple):
     sequence's bounds, the key tiles [n_min, n_max) it visits.  `present` is False for a tile past the grid
     (`in_grid` False) or wholly past its sequence's valid length (nothing to compute: the consumers write its
     rows up to the slot end `q_slot` as zeros, lse is pre-zeroed).  The compact kernel's queue publishes these
-    15 values, in this order, after the tile number."""
+    values, in this order, after the tile number; `batch` (the sequence) only in the aux variant, whose
+    consumers need it for the mask and bias views (the plain kernel publishes the first 15)."""
     present: cutlass.Boolean
     m_block: cutlass.Int32
     head: cutlass.Int32
@@ -37,10 +43,13 @@ class FwdTile(NamedTuple):
     n_max: cutlass.Int32
     in_grid: cutlass.Boolean
     q_slot: cutlass.Int32
+    batch: cutlass.Int32
 
 
-# Values of a tile-queue slot (compact schedule): the tile number, then the tile's FwdTile.
-SLOT_VALUES = 1 + len(FwdTile._fields)
+def slot_values(aux: bool) -> int:
+    """Values of a tile-queue slot (compact schedule): the tile number, then the tile's FwdTile (without
+    `batch` in the plain kernel)."""
+    return len(FwdTile._fields) + (1 if aux else 0)
 
 
 class FwdSchedule(NamedTuple):
@@ -60,6 +69,7 @@ class FwdSchedule(NamedTuple):
     window_right: cutlass.Int32
     bottom_right: cutlass.Int32
     compact: bool
+    aux: object = None  # the aux variant's fwd_aux.FwdAux, else None
 
 
 class FwdTileSchedule:
@@ -70,9 +80,10 @@ class FwdTileSchedule:
                         tma_atom_K, tma_K, tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK,
                         mTileCounter, score_mul, cap_mul, window_left, window_right, bottom_right, sQ_layout,
                         sKV_layout, tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes: cutlass.Constexpr,
-                        kv_bytes: cutlass.Constexpr, SharedStorage: cutlass.Constexpr, stream):
+                        kv_bytes: cutlass.Constexpr, SharedStorage: cutlass.Constexpr, stream, aux_in=None):
         """Launch the kernel of one schedule: dense (per_seq_or_head = m-blocks per sequence) or compact
-        (per_seq_or_head = compact tiles per head)."""
+        (per_seq_or_head = compact tiles per head).  `aux_in`: the aux variant's fwd_aux.FwdAux (the kernel's
+        last argument, absent from the plain kernel's)."""
         total = per_seq_or_head * num_heads
         if cutlass.const_expr(not compact):
             total = total * batch
@@ -88,11 +99,15 @@ class FwdTileSchedule:
         else:
             tiles_per_cta = cutlass.Int32(1)
             grid = (total, 1, 1)
+        aux_arg = ()
+        if cutlass.const_expr(self.aux):
+            aux_arg = (aux_in,)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, mK.shape[1], mQ.shape[1], per_seq_or_head, batch,
             tiles_per_cta, score_mul, cap_mul, window_left, window_right, bottom_right,
             sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, compact,
+            *aux_arg,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -123,7 +138,7 @@ class FwdTileSchedule:
         the grid: in_grid False)."""
         BM, BN = self.block_m, self.block_n
         (n_mb, num_heads, num_kv_heads, batch_size, tiles_per_cta, mCuQ, mCuK, mUsedQ, mUsedK,
-         window_left, window_right, bottom_right, compact) = sched
+         window_left, window_right, bottom_right, compact, aux) = sched
         # Dense: m-block fastest, then head, then sequence.  Compact: head, then the compact tiles of
         # all sequences (in sequence order, m-block fastest).
         if cutlass.const_expr(compact):
@@ -151,9 +166,12 @@ class FwdTileSchedule:
                 present = cutlass.Boolean(True)
         off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
         n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
+        if cutlass.const_expr(self.aux):
+            # Here, not in the consumers alone: the producer must load exactly the key tiles they visit.
+            n_min, n_max = fwd_aux.key_range(aux, present, batch, head, num_heads, m_block, BM, BN, n_min, n_max)
         head_kv = head // (num_heads // num_kv_heads)
         return FwdTile(present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
-                       n_max, in_grid, q_slot)
+                       n_max, in_grid, q_slot, batch)
 
     def queue_length(self, sched):
         """The compact schedule's tile count (compact tiles per head x heads): claims at or past it end."""
@@ -174,11 +192,15 @@ class FwdTileSchedule:
             info = self.tile_info_lin(lin, sched)
             hole = (lin < total) & (info.m_block * self.block_m >= info.q_slot)
         values = (lin,) + tuple(cutlass.Int32(x) for x in info)
-        state_tile = tile_queue.publish(queue, state_tile, values)
+        # The consumers read the range from here (published_info): in the aux variant it is the narrowed one.
+        state_tile = tile_queue.publish(queue, state_tile, values[:slot_values(self.aux)])
         return lin, info, state_tile
 
     @cute.jit
     def published_info(self, queue, state_tile):
         """Consumer thread: the FwdTile that the producer published in the held slot `state_tile`."""
-        v = tuple(tile_queue.field(queue, state_tile, 1 + i) for i in range(SLOT_VALUES - 1))
-        return FwdTile(v[0] != 0, *v[1:13], v[13] != 0, v[14])
+        v = tuple(tile_queue.field(queue, state_tile, 1 + i) for i in range(slot_values(self.aux) - 1))
+        batch = cutlass.Int32(0)  # the plain kernel's consumers never read it
+        if cutlass.const_expr(self.aux):
+            batch = v[15]
+        return FwdTile(v[0] != 0, *v[1:13], v[13] != 0, v[14], batch)

@@ -1,0 +1,123 @@
+"""The Hopper forward's aux variant (`FlashFwdSm90(aux=True)`): masks and biases given as tensors.
+
+The pieces here are used only where `FlashFwdSm90.aux` is set (every use is behind `cutlass.const_expr`), so
+the plain kernel's code does not change.  What the variant does differently (common/aux_scores.py has the
+tensors' layout, broadcasting and pad-safety rules):
+  * the key-tile range of a query tile is narrowed to the key tiles where the mask's block summary shows the
+    tile a visible cell (`key_range`), inside the tile info that the producer and the consumers both decode,
+    so both walk the same tiles;
+  * the consumers turn q.k into natural-unit scores q.k * scale + bias, -inf where the mask hides the pair
+    (`tile_scores`), before the visibility mask; the softmax then runs in natural units (mul = log2 e, exact
+    differences) and the epilogue keeps the row max and ln(row sum) apart (mRowMax, mLogSum) for the
+    backward's exact recomputation of P.
+"""
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+
+from ..common import aux_scores
+
+
+class FwdAux(NamedTuple):
+    """The aux inputs and extra outputs of one call, handed to the kernel as one argument.  Layouts are the
+    aux ABI's: mask / bias / bias32 / tile_map / row_range 4-D (broadcast batch, broadcast head, rows, cols);
+    row_max and log_sum [N, total_q] float32 like lse."""
+    mask: cute.Tensor
+    bias: cute.Tensor
+    bias32: cute.Tensor
+    tile_map: cute.Tensor
+    row_range: cute.Tensor
+    row_max: cute.Tensor
+    log_sum: cute.Tensor
+    flags: cutlass.Int32
+
+
+class FwdAuxEntry:
+    """Mixin of `FlashFwdSm90`: the aux variant's entry point (FlashFwdSm90 binds it as the instance's
+    `__call__` when aux is set)."""
+
+    @cute.jit
+    def call_aux(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        mTileCounter: cute.Tensor,
+        mMask: cute.Tensor,
+        mBias: cute.Tensor,
+        mBias32: cute.Tensor,
+        mTileMap: cute.Tensor,
+        mRowRange: cute.Tensor,
+        mRowMax: cute.Tensor,
+        mLogSum: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_q: cutlass.Int32,
+        aux_flags: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        """The aux variant's entry (the aux ABI's order).  score_mul is the plain softmax scale; cap_mul is
+        unused (no softcap)."""
+        aux_in = FwdAux(mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, aux_flags)
+        self.launch(mQ, mK, mV, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul, window_left,
+                    window_right, bottom_right, max_seqlen_q, stream, aux_in)
+
+
+@cute.jit
+def tile_view(aux: FwdAux, batch: cutlass.Int32, head: cutlass.Int32, num_heads: cutlass.Int32):
+    """The AuxView of (sequence `batch`, query head `head`).  The forward reads no column ranges (that is the
+    dK/dV kernels' narrowing), so the row ranges stand in for them."""
+    return aux_scores.view(aux.mask, aux.bias, aux.bias32, aux.tile_map, aux.row_range, aux.row_range,
+                           aux.flags, batch, head, num_heads)
+
+
+@cute.jit
+def key_range(aux: FwdAux, present: cutlass.Boolean, batch: cutlass.Int32, head: cutlass.Int32,
+              num_heads: cutlass.Int32, m_block: cutlass.Int32, block_m: cutlass.Constexpr,
+              block_n: cutlass.Constexpr, n_min: cutlass.Int32, n_max: cutlass.Int32):
+    """[n_min, n_max) narrowed by the mask's row ranges (aux_scores.key_tiles) for a present tile.  A tile that
+    is not present (past the grid, a compact hole, wholly past its valid length) keeps its range unread: its
+    decoded sequence, head or m-block may name no row of the summary, and nothing computes it anyway."""
+    lo = n_min
+    hi = n_max
+    if present:
+        narrowed = aux_scores.key_tiles(tile_view(aux, batch, head, num_heads), m_block, block_m, block_n,
+                                        n_min, n_max)
+        lo = narrowed[0]
+        hi = narrowed[1]
+    return lo, hi
+
+
+@cute.jit
+def tile_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, view, m_block: cutlass.Int32, n_block: cutlass.Int32,
+                block_m: cutlass.Constexpr, block_n: cutlass.Constexpr, q_len: cutlass.Int32,
+                k_len: cutlass.Int32, score_mul: cutlass.Float32):
+    """In place: raw q.k of tile (m_block, n_block) -> natural-unit scores with bias and mask (the caller then
+    applies the visibility mask).  Called by every consumer thread (tile_class is warp-collective); the class
+    is the whole query tile's, which covers both consumer warpgroups' rows."""
+    cls = aux_scores.tile_class(view, m_block, n_block, block_m, block_n)
+    aux_scores.scores(s_mn, c_mn, view, m_block * block_m, n_block * block_n, q_len, k_len, score_mul, cls, 0)
+
+
+@cute.jit
+def store_row_stats(aux: FwdAux, max_rows: cute.Tensor, logsum_rows: cute.Tensor, c_mn: cute.Tensor,
+                    m0: cutlass.Int32, head: cutlass.Int32, q_start: cutlass.Int32, q_len: cutlass.Int32):
+    """The backward's exact row statistics of the valid rows, written exactly where lse is (by a quad's first
+    thread, rows i < q_len only: padded rows keep the zeros the handler writes)."""
+    for r in cutlass.range_constexpr(cute.size(max_rows)):
+        i = m0 + c_mn[r, 0][0]
+        if i < q_len:
+            aux.row_max[head, q_start + i] = max_rows[r]
+            aux.log_sum[head, q_start + i] = logsum_rows[r]
