@@ -30,15 +30,17 @@ def quad_allreduce(val, op):
 
 @cute.jit
 def online_softmax_step(
-    s_mn: cute.Tensor, o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, mul: cutlass.Float32
+    s_mn: cute.Tensor, o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, mul: cutlass.Float32,
+    exact: cutlass.Constexpr = False,
 ):
-    """Turn scores s into probabilities in place and rescale the O accumulator rows (mul > 0).
+    """Turn scores s into probabilities in place and rescale the O accumulator rows (mul > 0; `exact` as in
+    online_softmax_step_alpha).
 
     The O rows are rescaled only when some row of the warp changed its max (otherwise every alpha is
     exactly 1.0, and skipping a multiplication by 1.0 changes no bit): after the first tiles this
     saves one FMUL per O accumulator element per tile."""
     alpha = cute.make_rmem_tensor(row_max.layout, cutlass.Float32)
-    online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul)
+    online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul, exact)
     changed = cutlass.Boolean(False)
     for r in cutlass.range_constexpr(cute.size(row_max)):
         if alpha[r] != 1.0:

@@ -1,7 +1,9 @@
 """Pieces shared by the SM80-class backward kernels (mma.sync + ldmatrix + cp.async).
 
 * `make_mma` / `transposed`: the warp-level TiledMma and the transposed view of a shared tile.
-* `BwdBase`: the configuration every SM80-class backward kernel holds.
+* `BwdBase`: the configuration every SM80-class backward kernel holds (and the choice of the aux variant's
+  class, see `BwdBase.__new__`).
+* `aux_view`: the AuxView (common/aux_scores.py) of one (sequence, query head) from an aux kernel's inputs.
 * `gemm_ss` / `gemm_rs`: mma.sync GEMMs with ldmatrix-fed operands (shared/shared, register/shared).
 * `store_rows`: accumulator -> shared -> global for rows below a valid length only.
 * `smem_tiles_struct`: the shared-memory struct of a kernel configuration (only the buffers it uses).
@@ -9,6 +11,8 @@
 
 import cutlass
 import cutlass.cute as cute
+
+from ..common import aux_scores
 
 
 def make_mma(dtype, num_threads):
@@ -26,16 +30,41 @@ def transposed(s, rows, cols):
 
 class BwdBase:
     """Configuration of an SM80-class backward kernel (two shared-memory stages of the streamed operands: every
-    default tile fits sm_80's 163 KB per block with two)."""
+    default tile fits sm_80's 163 KB per block with two).
 
-    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool):
+    `aux=True` (masks and biases as tensors, natural-unit scores, the forward's exact row statistics) builds the
+    subclass named by the kernel class's `aux_class`: the DSL compiles __call__'s fixed signature, and the aux
+    variant's __call__ takes the extra tensors and the aux_flags scalar."""
+
+    aux_class = None  # set by each kernel module to its aux subclass
+
+    def __new__(cls, *args, aux: bool = False, **kwargs):
+        if aux:
+            assert cls.aux_class is not None
+            return super().__new__(cls.aux_class)
+        return super().__new__(cls)
+
+    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool, *,
+                 aux: bool = False):
         assert head_dim % 32 == 0
+        assert not (aux and has_softcap)  # aux variants are built without softcap
+        assert aux == (type(self).aux_class is type(self))  # the __call__ matches the kernel body
+        self.aux = aux
         self.dtype = dtype
         self.head_dim = head_dim
         self.block_m = block_m
         self.block_n = block_n
         self.num_threads = num_threads
         self.has_softcap = has_softcap
+
+
+@cute.jit
+def aux_view(aux_in, batch: cutlass.Int32, head: cutlass.Int32, num_heads: cutlass.Int32) -> aux_scores.AuxView:
+    """The AuxView of query head `head` of sequence `batch`.  `aux_in` = (mMask, mBias, mBias32, mTileMap,
+    mRanges, mRowMax, mLogSum, aux_flags), mRanges being the row ranges (dQ) or the column ranges (dK/dV): each
+    kernel reads only its own kind, so the one tensor fills both slots of the view."""
+    return aux_scores.view(aux_in[0], aux_in[1], aux_in[2], aux_in[3], aux_in[4], aux_in[4], aux_in[7], batch,
+                           head, num_heads)
 
 
 @cute.jit

@@ -20,13 +20,17 @@ fixed order, so results are bitwise reproducible (deterministic by construction)
 S = QK^T and dP = dO V^T are computed twice (7 GEMMs instead of FlashAttention-2's 5).
 
 Layout (packed): q/o/do [total_q, N, H], k/v [total_k, K, H], lse/dlse/delta [N, total_q] float32.
+
+`aux=True` builds the variants that take masks and biases as tensors (common/aux_scores.py; classes BwdDKDVAux
+and bwd_dq.BwdDQAux): natural-unit scores, P from the forward's exact row statistics (row max, ln of the row
+sum), and the tile ranges narrowed to the tiles where the mask shows a visible cell.
 """
 
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from ..common import bounds, bwd_scores, masking, tiles
+from ..common import aux_scores, bounds, bwd_scores, masking, tiles
 from . import bwd_common as bc
 
 
@@ -40,8 +44,8 @@ class BwdDKDV(bc.BwdBase):
     """
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool,
-                 outputs: str = "dkdv"):
-        super().__init__(dtype, head_dim, block_m, block_n, num_threads, has_softcap)
+                 outputs: str = "dkdv", *, aux: bool = False):
+        super().__init__(dtype, head_dim, block_m, block_n, num_threads, has_softcap, aux=aux)
         assert outputs in ("dkdv", "dv", "dk")
         self.outputs = outputs
         self.do_dk = outputs in ("dkdv", "dk")
@@ -118,6 +122,40 @@ class BwdDKDV(bc.BwdBase):
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
+        self.body(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul, dscale,
+                  window_left, window_right, bottom_right, sQ_layout, sK_layout, copy_in, copy_out, tiled_mma,
+                  SharedStorage)
+
+    @cute.jit
+    def body(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        copy_in: cute.TiledCopy,
+        copy_out: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+        aux_in=None,
+    ):
+        """One key tile.  `aux_in` (aux variant only): see bwd_common.aux_view."""
         BM = self.block_m
         BN = self.block_n
         HD = self.head_dim
@@ -130,6 +168,22 @@ class BwdDKDV(bc.BwdBase):
             m_min, m_max = bounds.m_block_range(n_block, BM, BN, q_len, k_len, off, left, right)
             group = mQ.shape[1] // mK.shape[1]
             n0 = n_block * BN
+            if cutlass.const_expr(self.aux):
+                # The loop below walks one query-tile range for every query head of the group, while the mask
+                # is per query head: narrow to the union of the heads' ranges (a HIDDEN tile inside it is
+                # computed, P = 0).  No head sees the key tile: an empty range, zeros written as today.
+                lo = m_max
+                hi = m_min
+                for g in cutlass.range(group, unroll=1):
+                    lo_g, hi_g = aux_scores.query_tiles(bc.aux_view(aux_in, batch, head_kv * group + g, mQ.shape[1]),
+                                                        n_block, BM, BN, m_min, m_max)
+                    if hi_g > lo_g:
+                        lo = cutlass.min(lo, lo_g)
+                        hi = cutlass.max(hi, hi_g)
+                if hi < lo:
+                    hi = lo
+                m_min = lo
+                m_max = hi
 
             gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, head_kv, None]), (BN, HD), (n_block, 0))
 
@@ -192,6 +246,9 @@ class BwdDKDV(bc.BwdBase):
             n_cols = cute.size(cS_mn, mode=[1])
             lse2 = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
             delta = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
+            row_max = None
+            if cutlass.const_expr(self.aux):
+                row_max = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
 
             n_m = m_max - m_min
             total = group * n_m
@@ -217,7 +274,15 @@ class BwdDKDV(bc.BwdBase):
                                             head_kv * group + (it + 1) // n_m, m_min + (it + 1) % n_m, q_start,
                                             q_len)
                             cute.arch.cp_async_commit_group()
-                        bwd_scores.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 1)
+                        view = None
+                        if cutlass.const_expr(self.aux):
+                            # This query head's mask and bias; the forward's m and ln l (lse2 holds ln l * log2 e
+                            # here), so that P = exp(s - m - ln l) stays exact for biases of any magnitude.
+                            view = bc.aux_view(aux_in, batch, head, mQ.shape[1])
+                            bwd_scores.load_row_stats_exact(aux_in[5], aux_in[6], mDelta, head, q_start, q_len, m0,
+                                                            cS_mn, row_max, lse2, delta, 1)
+                        else:
+                            bwd_scores.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 1)
                         if it + 1 < total:
                             cute.arch.cp_async_wait_group(1)
                         else:
@@ -230,8 +295,17 @@ class BwdDKDV(bc.BwdBase):
                         acc_T = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
                         need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
                         s_mn = masking.acc_mn_view(acc_S)
-                        bwd_scores.probs_and_dscale(s_mn, masking.acc_mn_view(acc_T), cS_mn, lse2, m0, n0, k_len, off, left,
-                                            right, score_mul, cap_mul, need, 1, self.has_softcap)
+                        if cutlass.const_expr(self.aux):
+                            # S^T is keys x queries (query_mode 1).  tile_class is warp-collective: every thread
+                            # runs it for every tile.
+                            cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
+                            aux_scores.scores(s_mn, cS_mn, view, m0, n0, q_len, k_len, score_mul, cls, 1)
+                            bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m0, n0, k_len, off, left, right, need,
+                                                   1)
+                        else:
+                            bwd_scores.probs_and_dscale(s_mn, masking.acc_mn_view(acc_T), cS_mn, lse2, m0, n0, k_len,
+                                                        off, left, right, score_mul, cap_mul, need, 1,
+                                                        self.has_softcap)
 
                         if cutlass.const_expr(self.do_dk):
                             acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
@@ -278,3 +352,101 @@ class BwdDKDV(bc.BwdBase):
         gdO = cute.local_tile(cute.domain_offset((q_start, 0), mdO[None, head, None]), (BM, HD), (m_block, 0))
         tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gQ), tQsQ, tQcQ, m_block * BM, q_len)
         tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gdO), tdOsdO, tQcQ, m_block * BM, q_len)
+
+
+class BwdDKDVAux(BwdDKDV):
+    """The aux variant (what BwdDKDV(..., aux=True) builds, any `outputs`): the extra tensors after mUsedK,
+    aux_flags after max_seqlen_k (mLSE is passed but unused: P comes from mRowMax and mLogSum)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        mMask: cute.Tensor,
+        mBias: cute.Tensor,
+        mBias32: cute.Tensor,
+        mTileMap: cute.Tensor,
+        mColRange: cute.Tensor,
+        mRowMax: cute.Tensor,
+        mLogSum: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_k: cutlass.Int32,
+        aux_flags: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        dtype = self.dtype
+        sQ_layout = tiles.smem_layout(dtype, self.block_m, self.head_dim)
+        sK_layout = tiles.smem_layout(dtype, self.block_n, self.head_dim)
+        bufs = [(n, sQ_layout) for n in ["sQ", "sdO", "sQ1", "sdO1"]]
+        bufs += [("sK", sK_layout)] + ([("sV", sK_layout)] if self.do_dk else [])
+        SharedStorage = bc.smem_tiles_struct(dtype, dict(bufs))
+
+        copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
+        copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
+        tiled_mma = bc.make_mma(dtype, self.num_threads)
+        grid = (cute.ceil_div(max_seqlen_k, self.block_n), cute.size(mK.shape[1]), cute.size(mUsedK.shape[0]))
+        self.kernel_aux(
+            mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK,
+            mMask, mBias, mBias32, mTileMap, mColRange, mRowMax, mLogSum,
+            score_mul, cap_mul, dscale, window_left, window_right, bottom_right, aux_flags,
+            sQ_layout, sK_layout, copy_in, copy_out, tiled_mma, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel_aux(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        mMask: cute.Tensor,
+        mBias: cute.Tensor,
+        mBias32: cute.Tensor,
+        mTileMap: cute.Tensor,
+        mColRange: cute.Tensor,
+        mRowMax: cute.Tensor,
+        mLogSum: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        aux_flags: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        copy_in: cute.TiledCopy,
+        copy_out: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        self.body(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul, dscale,
+                  window_left, window_right, bottom_right, sQ_layout, sK_layout, copy_in, copy_out, tiled_mma,
+                  SharedStorage, (mMask, mBias, mBias32, mTileMap, mColRange, mRowMax, mLogSum, aux_flags))
+
+
+BwdDKDV.aux_class = BwdDKDVAux

@@ -1,10 +1,15 @@
-"""SM80-class backward, dQ kernel (see bwd_dkdv for the backward's structure)."""
+"""SM80-class backward, dQ kernel (see bwd_dkdv for the backward's structure).
+
+`aux=True` builds BwdDQAux: masks and biases as tensors (common/aux_scores.py), natural-unit scores, P from the
+forward's exact row statistics, the key-tile range narrowed to the tiles where the mask shows the query tile a
+visible cell.
+"""
 
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from ..common import bounds, bwd_scores, masking, tiles
+from ..common import aux_scores, bounds, bwd_scores, masking, tiles
 from . import bwd_common as bc
 
 
@@ -78,6 +83,39 @@ class BwdDQ(bc.BwdBase):
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
+        self.body(mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul, dscale,
+                  window_left, window_right, bottom_right, sQ_layout, sK_layout, copy_in, copy_out, tiled_mma,
+                  SharedStorage)
+
+    @cute.jit
+    def body(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQ: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        copy_in: cute.TiledCopy,
+        copy_out: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+        aux_in=None,
+    ):
+        """One query tile.  `aux_in` (aux variant only): see bwd_common.aux_view."""
         BM = self.block_m
         BN = self.block_n
         HD = self.head_dim
@@ -92,6 +130,12 @@ class BwdDQ(bc.BwdBase):
             k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
             off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
             n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
+            view = None
+            if cutlass.const_expr(self.aux):
+                # Skip the key tiles where the mask shows this query tile nothing (an empty range writes zeros,
+                # as an empty visibility range does).
+                view = bc.aux_view(aux_in, batch, head, mQ.shape[1])
+                n_min, n_max = aux_scores.key_tiles(view, m_block, BM, BN, n_min, n_max)
             head_kv = head // (mQ.shape[1] // mK.shape[1])
             m0 = m_block * BM
 
@@ -144,7 +188,15 @@ class BwdDQ(bc.BwdBase):
             n_rows = cute.size(cS_mn, mode=[0])
             lse2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
             delta = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-            bwd_scores.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 0)
+            row_max = None
+            if cutlass.const_expr(self.aux):
+                # The forward's m and ln l (lse2 holds ln l * log2 e here): P = exp(s - m - ln l) stays exact
+                # for biases of any magnitude.
+                row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+                bwd_scores.load_row_stats_exact(aux_in[5], aux_in[6], mDelta, head, q_start, q_len, m0, cS_mn,
+                                                row_max, lse2, delta, 0)
+            else:
+                bwd_scores.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 0)
 
             total = n_max - n_min
             tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gQ), tQsQ, tQcQ, m0, q_len)
@@ -181,8 +233,17 @@ class BwdDQ(bc.BwdBase):
                         acc_T = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
                         need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
                         s_mn = masking.acc_mn_view(acc_S)
-                        bwd_scores.probs_and_dscale(s_mn, masking.acc_mn_view(acc_T), cS_mn, lse2, m0, n0, k_len, off, left,
-                                            right, score_mul, cap_mul, need, 0, self.has_softcap)
+                        if cutlass.const_expr(self.aux):
+                            # Natural-unit scores (tile_class is warp-collective: every thread runs it), then
+                            # P with the visibility rule; a HIDDEN tile inside the range gives P = 0.
+                            cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
+                            aux_scores.scores(s_mn, cS_mn, view, m0, n0, q_len, k_len, score_mul, cls, 0)
+                            bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m0, n0, k_len, off, left, right, need,
+                                                   0)
+                        else:
+                            bwd_scores.probs_and_dscale(s_mn, masking.acc_mn_view(acc_T), cS_mn, lse2, m0, n0, k_len,
+                                                        off, left, right, score_mul, cap_mul, need, 0,
+                                                        self.has_softcap)
 
                         acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
                         acc_dP.fill(0.0)
@@ -198,3 +259,99 @@ class BwdDQ(bc.BwdBase):
             cute.arch.barrier()
             gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
             bc.store_rows(acc_dQ, dscale, self.dtype, tiled_mma, copy_out, sQ, gdQ, BM, HD, m0, q_len, tidx)
+
+
+class BwdDQAux(BwdDQ):
+    """The aux variant (what BwdDQ(..., aux=True) builds): the extra tensors after mUsedK, aux_flags after
+    max_seqlen_q (mLSE is passed but unused: P comes from mRowMax and mLogSum)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQ: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        mMask: cute.Tensor,
+        mBias: cute.Tensor,
+        mBias32: cute.Tensor,
+        mTileMap: cute.Tensor,
+        mRowRange: cute.Tensor,
+        mRowMax: cute.Tensor,
+        mLogSum: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_q: cutlass.Int32,
+        aux_flags: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        dtype = self.dtype
+        sQ_layout = tiles.smem_layout(dtype, self.block_m, self.head_dim)
+        sK_layout = tiles.smem_layout(dtype, self.block_n, self.head_dim)
+        names = ["sK", "sV", "sK1", "sV1"]
+        SharedStorage = bc.smem_tiles_struct(
+            dtype, dict([("sQ", sQ_layout), ("sdO", sQ_layout)] + [(n, sK_layout) for n in names]))
+
+        copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
+        copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
+        tiled_mma = bc.make_mma(dtype, self.num_threads)
+        grid = (cute.ceil_div(max_seqlen_q, self.block_m), cute.size(mQ.shape[1]), cute.size(mUsedQ.shape[0]))
+        self.kernel_aux(
+            mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK,
+            mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum,
+            score_mul, cap_mul, dscale, window_left, window_right, bottom_right, aux_flags,
+            sQ_layout, sK_layout, copy_in, copy_out, tiled_mma, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel_aux(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQ: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        mMask: cute.Tensor,
+        mBias: cute.Tensor,
+        mBias32: cute.Tensor,
+        mTileMap: cute.Tensor,
+        mRowRange: cute.Tensor,
+        mRowMax: cute.Tensor,
+        mLogSum: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        aux_flags: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        copy_in: cute.TiledCopy,
+        copy_out: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        self.body(mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul, dscale,
+                  window_left, window_right, bottom_right, sQ_layout, sK_layout, copy_in, copy_out, tiled_mma,
+                  SharedStorage, (mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, aux_flags))
+
+
+BwdDQ.aux_class = BwdDQAux

@@ -6,6 +6,11 @@ One CTA computes one (query tile, head, sequence).  Layout (packed / varlen):
 The caller zero-fills o and lse (padded rows are never written here); this kernel writes the
 valid rows of every sequence.  Loads of rows past a valid length are replaced by zeros in shared
 memory, masking is done with selects, empty rows get O = 0 and lse = -inf.
+
+`aux=True` builds the variant that takes masks and biases as tensors (common/aux_scores.py): scores in natural
+units (q.k * scale + bias, -inf where the mask hides), the exact-difference softmax, and the backward's exact
+row statistics (row max, ln of the row sum) written next to lse.  Its __call__ (class FlashFwdSm80Aux) takes
+the extra tensors after mUsedK and the scalar aux_flags after max_seqlen_q.
 """
 
 from types import SimpleNamespace
@@ -14,16 +19,23 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from ..common import bounds, masking, softmax, tiles
+from ..common import aux_scores, bounds, masking, softmax, tiles
 
 
 class FlashFwdSm80:
     """The forward kernel.  `stages`: K/V shared-memory stages, 1 or 2 (the build chooses per arch and head dim
     from the shared memory per SM: two CTAs per SM with two stages where they fit, else one stage)."""
 
+    def __new__(cls, *args, aux: bool = False, **kwargs):
+        # The DSL compiles __call__'s fixed signature, so the aux variant is a subclass with its own __call__.
+        return super().__new__(FlashFwdSm80Aux if aux else cls)
+
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool,
-                 stages: int):
+                 stages: int, *, aux: bool = False):
         assert head_dim % 32 == 0
+        assert not (aux and has_softcap)  # aux variants are built without softcap
+        assert aux == isinstance(self, FlashFwdSm80Aux)  # the __call__ matches the kernel body
+        self.aux = aux
         assert stages in (1, 2)
         self.stages = stages
         self.dtype = dtype
@@ -148,7 +160,9 @@ class FlashFwdSm80:
         q_start: cutlass.Int32,
         q_len: cutlass.Int32,
         raw_scores: cutlass.Constexpr,
+        aux_in=None,
     ):
+        """One query tile.  `aux_in` (aux variant only): (AuxView of this sequence and head, mRowMax, mLogSum)."""
         BM = self.block_m
         BN = self.block_n
         HD = self.head_dim
@@ -156,10 +170,19 @@ class FlashFwdSm80:
         k_start, k_len = bounds.used_length(mCuK, mUsedK, batch)
         off, left, right = bounds.window_bounds(q_len, k_len, window_left, window_right, bottom_right)
         n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
+        view = None
+        if cutlass.const_expr(self.aux):
+            # Skip the key tiles where the mask shows this query tile nothing (an empty range leaves the
+            # tile exactly as an empty visibility range does: O = 0, lse = -inf).
+            view = aux_in[0]
+            n_min, n_max = aux_scores.key_tiles(view, m_block, BM, BN, n_min, n_max)
         head_kv = head // (mQ.shape[1] // mK.shape[1])
         m0 = m_block * BM
         mul = cutlass.Float32(1.0)
-        if cutlass.const_expr(raw_scores):
+        if cutlass.const_expr(self.aux):
+            # aux_scores.scores gives natural units (the scale already applied): the exp2 domain is log2(e) away.
+            mul = cutlass.Float32(aux_scores.LOG2_E)
+        elif cutlass.const_expr(raw_scores):
             mul = score_mul
 
         # Global tiles of this sequence and head.
@@ -218,7 +241,7 @@ class FlashFwdSm80:
             tSsQ=tSsQ, tSrQ=tSrQ, tSrQ_v=tSrQ_v, tSrK=tSrK, tSrK_v=tSrK_v, tOrVt=tOrVt, tOrVt_v=tOrVt_v,
             acc_O=acc_O, row_max=row_max, row_sum=row_sum, cS_mn=cS_mn, score_mul=score_mul, cap_mul=cap_mul,
             mul=mul, raw_scores=raw_scores, m_block=m_block, m0=m0, q_len=q_len, k_len=k_len, off=off,
-            left=left, right=right,
+            left=left, right=right, view=view,
         )
 
         if cutlass.const_expr(self.stages == 1):
@@ -274,15 +297,25 @@ class FlashFwdSm80:
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
         lse_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        softmax.finalize(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows, mul)
+        max_rows, logsum_rows = None, None
+        if cutlass.const_expr(self.aux):
+            # m and ln l kept apart (lse = m + ln l rounds to m when |m| >> ln l): the backward's exact P.
+            max_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            logsum_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            softmax.finalize_exact(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows, max_rows, logsum_rows)
+        else:
+            softmax.finalize(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows, mul)
 
-        # lse: one thread of each quad writes its rows.
+        # lse (and the aux variant's row statistics): one thread of each quad writes its valid rows.
         cO_mn = masking.acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BM, HD))))
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(n_rows):
                 i = m0 + cO_mn[r, 0][0]
                 if i < q_len:
                     mLSE[head, q_start + i] = lse_rows[r]
+                    if cutlass.const_expr(self.aux):
+                        aux_in[1][head, q_start + i] = max_rows[r]
+                        aux_in[2][head, q_start + i] = logsum_rows[r]
 
         # O: registers -> shared (reuse sQ) -> global, valid rows only.
         rO = cute.make_fragment_like(acc_O, self.dtype)
@@ -320,9 +353,16 @@ class FlashFwdSm80:
 
     @cute.jit
     def softmax_pv(self, ctx: SimpleNamespace, acc_S: cute.Tensor, n_block: cutlass.Int32, tOsVt: cute.Tensor):
-        """Scores (raw, or scaled / soft-capped), visibility mask, online softmax, O += P V."""
+        """Scores (raw, or scaled / soft-capped, or the aux variant's natural units), visibility mask, online
+        softmax, O += P V."""
         s_mn = masking.acc_mn_view(acc_S)
-        if cutlass.const_expr(self.has_softcap):
+        if cutlass.const_expr(self.aux):
+            # tile_class is warp-collective: every thread runs this for every tile of its range.  A HIDDEN tile
+            # inside the range comes out all -inf (P = 0, the softmax state unchanged).
+            cls = aux_scores.tile_class(ctx.view, ctx.m_block, n_block, self.block_m, self.block_n)
+            aux_scores.scores(s_mn, ctx.cS_mn, ctx.view, ctx.m0, n_block * self.block_n, ctx.q_len, ctx.k_len,
+                              ctx.score_mul, cls, 0)
+        elif cutlass.const_expr(self.has_softcap):
             acc_S.store(cute.math.tanh(acc_S.load() * ctx.score_mul, fastmath=False) * ctx.cap_mul)
         elif cutlass.const_expr(not ctx.raw_scores):
             acc_S.store(acc_S.load() * ctx.score_mul)
@@ -330,7 +370,8 @@ class FlashFwdSm80:
                                   ctx.left, ctx.right):
             masking.apply_visibility_mask(s_mn, ctx.cS_mn, ctx.m0, n_block * self.block_n, ctx.k_len, ctx.off,
                                           ctx.left, ctx.right)
-        softmax.online_softmax_step(s_mn, masking.acc_mn_view(ctx.acc_O), ctx.row_max, ctx.row_sum, ctx.mul)
+        softmax.online_softmax_step(s_mn, masking.acc_mn_view(ctx.acc_O), ctx.row_max, ctx.row_sum, ctx.mul,
+                                    exact=self.aux)
         rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         tOrP = cute.make_tensor(rP.iterator, self._c_to_a_layout(rP.layout))
@@ -348,3 +389,113 @@ class FlashFwdSm80:
             ((d.shape[0], d.shape[2][0]), d.shape[1], d.shape[2][1]),
             stride=((d.stride[0], d.stride[2][0]), d.stride[1], d.stride[2][1]),
         )
+
+
+class FlashFwdSm80Aux(FlashFwdSm80):
+    """The aux variant (what FlashFwdSm80(..., aux=True) builds): masks and biases as tensors, natural-unit
+    scores, and the exact row statistics mRowMax / mLogSum ([N, total_q], written where mLSE is).  The mask's
+    row ranges double as the view's column ranges, which the forward never reads."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        mMask: cute.Tensor,
+        mBias: cute.Tensor,
+        mBias32: cute.Tensor,
+        mTileMap: cute.Tensor,
+        mRowRange: cute.Tensor,
+        mRowMax: cute.Tensor,
+        mLogSum: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_q: cutlass.Int32,
+        aux_flags: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        dtype = self.dtype
+        sQ_layout = tiles.smem_layout(dtype, self.block_m, self.head_dim)
+        sKV_layout = tiles.smem_layout(dtype, self.block_n, self.head_dim)
+
+        n_kv = cute.cosize(sKV_layout) * self.stages
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, n_kv], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, n_kv], 1024]
+
+        copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
+        copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
+        tiled_mma = cute.make_tiled_mma(
+            cute.nvgpu.warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16)),
+            (self.num_threads // 32, 1, 1),
+            permutation_mnk=(self.num_threads // 32 * 16, 16, 16),
+        )
+        grid = (
+            cute.ceil_div(max_seqlen_q, self.block_m),
+            cute.size(mQ.shape[1]),
+            cute.size(mUsedQ.shape[0]),
+        )
+        self.kernel_aux(
+            mQ, mK, mV, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK,
+            mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum,
+            score_mul, cap_mul, window_left, window_right, bottom_right, aux_flags,
+            sQ_layout, sKV_layout, copy_in, copy_out, tiled_mma, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel_aux(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        mMask: cute.Tensor,
+        mBias: cute.Tensor,
+        mBias32: cute.Tensor,
+        mTileMap: cute.Tensor,
+        mRowRange: cute.Tensor,
+        mRowMax: cute.Tensor,
+        mLogSum: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        aux_flags: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        copy_in: cute.TiledCopy,
+        copy_out: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        m_block_rev, head, batch = cute.arch.block_idx()
+        m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
+        q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
+        if m_block * self.block_m < q_len:
+            view = aux_scores.view(mMask, mBias, mBias32, mTileMap, mRowRange, mRowRange, aux_flags, batch, head,
+                                   mQ.shape[1])
+            self.tile(
+                mQ, mK, mV, mO, mLSE, mCuK, mUsedK, score_mul, cap_mul,
+                window_left, window_right, bottom_right, sQ_layout, sKV_layout,
+                copy_in, copy_out, tiled_mma, SharedStorage, m_block, head, batch, q_start, q_len,
+                True, (view, mRowMax, mLogSum),
+            )
