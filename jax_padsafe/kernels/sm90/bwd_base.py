@@ -39,6 +39,12 @@ inside it hold anything: NaN, Inf, the next sequence):
   * dQ: K rows past k_len meet dS = 0 in dQ += dS K: zeroed in shared memory the same way.  V rows past
     k_len only reach dP columns that the select drops; Q / dO rows past q_len only reach dQ rows that are
     never written (and the lse sentinel turns their P, dS into 0 by select).
+The aux variant (`aux=True`, bwd_aux: masks and biases as tensors, no softcap) adds three things: each kernel's
+tile range is narrowed by the mask's block summary where the producer and the consumers both derive it (the
+dK/dV kernel per query head of the kv group), S becomes natural-unit scores with the mask and bias before the
+visibility mask, and P is recomputed from the forward's row max and ln(row sum) instead of lse.  Every addition
+sits behind `cutlass.const_expr`, so the plain kernels compile to the same code.
+
 Outputs are staged through shared memory and written with 16-byte stores predicated per row: valid rows get
 values, rows past the valid length up to the sequence's slot end (cu[b+1]) get zeros, and tiles with nothing
 to compute write zeros, so padded rows are exactly 0 without a memset where the tiles cover every row (the
@@ -64,8 +70,13 @@ class Sm90BwdBase:
     """What both Hopper backward kernels share: the warpgroup roles and register split, their two TMA pipelines
     (`_pipes`) and the launch of the queued compact schedule (`_launch_compact`)."""
 
-    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool):
+    def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool,
+                 aux: bool = False):
         assert head_dim % 32 == 0  # hd96: 32-column (64-byte) swizzle atoms, chosen by common.smem_layout
+        # The aux variant (masks and biases as tensors, bwd_aux) recomputes P from natural-unit scores and the
+        # forward's exact row statistics; it is built without softcap only.
+        assert not (aux and has_softcap)
+        self.aux = aux
         self.dtype = dtype
         self.head_dim = head_dim
         self.block_m = block_m
@@ -96,15 +107,16 @@ class Sm90BwdBase:
         return pipe_res, pipe_str
 
     def _launch_compact(self, args, max_seqlen, total_rows, heads, batch, block: int, staging_bytes: int,
-                        SharedStorage, stream):
+                        SharedStorage, stream, extra=()):
         """Launch `self.kernel`'s compact schedule over `heads` heads of `block`-row tiles (key tiles for dK/dV,
         query tiles for dQ): one wave of persistent CTAs that claim the tiles from the queue (x: at most
-        `persistent_ctas`).  `staging_bytes`: the output staging tiles' shared memory (`separate_out`).
+        `persistent_ctas`).  `staging_bytes`: the output staging tiles' shared memory (`separate_out`); `extra`:
+        the kernel's arguments after `compact` (the aux variant's inputs, bwd_aux.BwdAux; none otherwise).
         A plain method, traced inline by the caller's `__call__`: its `if`s are compile-time choices."""
         grid = tile_schedule.tile_grid(True, max_seqlen, total_rows, heads, batch, block)
         smem = SharedStorage.size_in_bytes()
         grid = (cutlass.min(grid[0] * grid[1], self.persistent_ctas), 1, 1)
         if self.separate_out:
             smem += staging_bytes + 1024  # 1024-byte aligned
-        self.kernel(*args, True).launch(
+        self.kernel(*args, True, *extra).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=smem, stream=stream, min_blocks_per_mp=1)

@@ -7,6 +7,7 @@ import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import cpasync
 
 from ..common import bounds, tile_queue, tile_schedule, tiles
+from . import bwd_aux
 from . import common as sc
 from .bwd_base import Sm90BwdBase
 from .bwd_dkdv_steps import DKDVSteps
@@ -23,9 +24,16 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
       dP^T and dS^T, and they swap them through shared memory (`exchange_step`), so each GEMM is computed once.
     """
 
+    def __new__(cls, *args, aux: bool = False, **kwargs):
+        # The aux variant's __call__ takes more arguments (the aux ABI); cute.compile traces the class's
+        # __call__, so that variant is a subclass that only adds its own.
+        if aux and cls is BwdDKDVSm90:
+            cls = BwdDKDVSm90Aux
+        return super().__new__(cls)
+
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool, *,
-                 pin_waits: bool, queue_dense: bool):
-        super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
+                 pin_waits: bool, queue_dense: bool, aux: bool = False):
+        super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap, aux)
         assert block_n in (64, 128)
         # Every layout takes the queued compact schedule, dense ones too (see bwd_base); the
         # FFI handler then zeroes the counter on every call (the registry's `queue_all`).
@@ -79,8 +87,26 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         max_seqlen_k: cutlass.Int32,
         stream: cuda.CUstream,
     ):
+        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul,
+                     cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_k, stream, None)
+
+    @cute.jit
+    def _launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mCuQ: cute.Tensor, mCuK: cute.Tensor,
+                mUsedQ: cute.Tensor, mUsedK: cute.Tensor, mTileCounter: cute.Tensor, score_mul: cutlass.Float32,
+                cap_mul: cutlass.Float32, dscale: cutlass.Float32, window_left: cutlass.Int32,
+                window_right: cutlass.Int32, bottom_right: cutlass.Int32, max_seqlen_k: cutlass.Int32,
+                stream: cuda.CUstream, aux):
+        """The launch, shared by both variants' __call__; `aux`: the aux variant's bwd_aux.BwdAux, else None."""
         dt = self.dtype
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
+        # The aux variant's kernel takes its inputs as one more argument after `compact`, and stages three row
+        # statistics per query (ln l * log2 e, Delta, m: bwd_aux.stat_load) where the plain kernel stages two.
+        extra = ()
+        n_stats = 2
+        if cutlass.const_expr(aux is not None):
+            extra = (aux,)
+            n_stats = 3
         # split_head_dim: a warpgroup's half of the head dim is whole swizzle atoms of Q / dO (the dK / dV GEMMs'
         # B operand) and of K / V (which stage the dK / dV epilogue).
         half = HD // 2 if self.split_head_dim else 0
@@ -122,8 +148,9 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            # Per consumer warpgroup, double-buffered: lse2 and Delta of the step's block_m queries.
-            sStat: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BM * 2 * 2 * 2], 16]
+            # Per consumer warpgroup, double-buffered: lse2 and Delta (aux: ln l * log2 e, Delta, m) of the step's
+            # block_m queries.
+            sStat: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BM * n_stats * 2 * 2], 16]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, dq_elems], 1024]
             # Unused (8 bytes that keep the offsets of the queue's barriers and slots).
@@ -143,14 +170,14 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
                 score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
                 sQ_layout, sK_layout, mma_s, mma_kv, copy_out, q_bytes, k_bytes, SharedStorage)
         # The dK / dV staging tiles (`kernel`) of the compact kernel.
-        compact = (args, max_seqlen_k, total_k, heads_kv, batch, BN, 2 * k_bytes, SharedStorage, stream)
+        compact = (args, max_seqlen_k, total_k, heads_kv, batch, BN, 2 * k_bytes, SharedStorage, stream, extra)
         if cutlass.const_expr(self.queue_dense):
             self._launch_compact(*compact)
         else:
             if tile_schedule.use_compact_grid(max_seqlen_k, total_k, batch, BN) != 0:
                 self._launch_compact(*compact)
             else:
-                self.kernel(*args, False).launch(
+                self.kernel(*args, False, *extra).launch(
                     grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
                     stream=stream, min_blocks_per_mp=1)
 
@@ -190,6 +217,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         k_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
         compact: cutlass.Constexpr,
+        aux=None,
     ):
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -212,7 +240,11 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sStat = storage.sStat.get_tensor(cute.make_layout((BM, 2, 2, 2)))  # (query, lse2|Delta, parity, wg)
+        n_stats = 2
+        if cutlass.const_expr(aux is not None):
+            n_stats = 3
+        # (query, lse2|Delta (aux: ln l * log2 e|Delta|m), parity, wg)
+        sStat = storage.sStat.get_tensor(cute.make_layout((BM, n_stats, 2, 2)))
         sdS = None
         sdQ = None
         if cutlass.const_expr(self.split_head_dim):
@@ -236,17 +268,24 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
-                    self.produce_claimed(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, seqs, queue, sched)
+                    self.produce_claimed(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, seqs, queue, sched, aux)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume_claimed(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s,
-                                     mma_kv, copy_out, score_mul, cap_mul, dscale, seqs, queue, slots, sched, out_tiles)
+                                     mma_kv, copy_out, score_mul, cap_mul, dscale, seqs, queue, slots, sched, out_tiles,
+                                     aux)
         else:
             n_block, head_kv, batch = cute.arch.block_idx()
             tb = bounds.key_tile(*seqs, batch, n_block, BM, BN)
             n_m = tb.hi - tb.lo
             total = group * n_m
             n0 = n_block * BN
+            aux_tile = None
+            if cutlass.const_expr(aux is not None):
+                # Aux: the steps left after each query head's range is narrowed by its mask, counted here, before
+                # the producer and the consumers part, so both take the same branch and walk the same steps.
+                total = self.aux_steps(aux, batch, head_kv, group, n_block, tb.k_len, tb.lo, tb.hi)
+                aux_tile = (aux, batch, tb.hi)
             # A key tile past k_len, or one no valid query sees: dK = dV = 0; the CTA writes the zeros of its rows
             # up to the slot end (the handler's memset may have done so already) and computes nothing.
             if n0 < tb.k_len and total > 0:
@@ -256,13 +295,15 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
                         self.produce_tile(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q,
                                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages),
-                                          n_block, head_kv, group, n_m, tb.lo, total, tb.q_start, tb.k_start, True)
+                                          n_block, head_kv, group, n_m, tb.lo, total, tb.q_start, tb.k_start, True,
+                                          aux_tile)
                 else:
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                     self.consume(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv,
                                  copy_out, score_mul, cap_mul, dscale, n_block, None, head_kv, group, n_m, total, tb,
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
-                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages), False)
+                                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages), False,
+                                 None, aux_tile)
             else:
                 tidx, _, _ = cute.arch.thread_idx()
                 if tidx < self.num_consumer_threads:
@@ -273,18 +314,30 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
 
     @cute.jit
     def produce_tile(self, tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, state_kv, state, n_block, head_kv, group, n_m,
-                     m_min, total, q_start, k_start, kv_first: cutlass.Constexpr):
+                     m_min, total, q_start, k_start, kv_first: cutlass.Constexpr, aux_tile=None):
         """Producer warp: the loads of one key tile: K / V (resident), then Q / dO of every step (query head of
         the group, query tile).  Without `kv_first` (the queue) Q / dO of the first steps go first: K / V wait
         for the previous tile's consumers to release sK / sV (after its last step with staging tiles, after its
-        epilogue at head dims 192 / 256), and these loads need not.  Returns the advanced pipeline states."""
+        epilogue at head dims 192 / 256), and these loads need not.  `aux_tile` (aux variant: (BwdAux, sequence,
+        m_max)): the steps walk each query head's narrowed range (bwd_aux.dkdv_first / dkdv_next), as the
+        consumers do.  Returns the advanced pipeline states."""
         BN, HD = self.block_n, self.head_dim
         tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V = tmas
+        # The aux variant's step cursor: (query head, query tile, end of that head's range).
+        c_head = None
+        c_m = None
+        c_hi = None
+        if cutlass.const_expr(aux_tile is not None):
+            c_head, c_m, c_hi = self.aux_first(aux_tile, head_kv, group, n_block, m_min)
         n_ahead = cutlass.Int32(0)
         if cutlass.const_expr(not kv_first):
             n_ahead = cutlass.min(total, self.num_stages)
             for it in cutlass.range(n_ahead, unroll=1):
-                state = self.produce_step(tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start)
+                if cutlass.const_expr(aux_tile is None):
+                    state = self.produce_step(tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start)
+                else:
+                    state = self.produce_step_at(tmas, sQ, sdO, pipe_q, state, c_head, c_m, q_start)
+                    c_head, c_m, c_hi = self.aux_next(aux_tile, head_kv, group, n_block, m_min, c_head, c_m, c_hi)
         gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_K[None, None, head_kv]), (BN, HD), (n_block, 0))
         gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_V[None, None, head_kv]), (BN, HD), (n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
@@ -295,7 +348,11 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(state_kv))
         cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(state_kv))
         state_kv.advance()
-        if cutlass.const_expr(kv_first):
+        if cutlass.const_expr(aux_tile is not None):
+            for it in cutlass.range(n_ahead, total, 1, unroll=1):
+                state = self.produce_step_at(tmas, sQ, sdO, pipe_q, state, c_head, c_m, q_start)
+                c_head, c_m, c_hi = self.aux_next(aux_tile, head_kv, group, n_block, m_min, c_head, c_m, c_hi)
+        elif cutlass.const_expr(kv_first):
             for it in cutlass.range(total, unroll=1):
                 state = self.produce_step(tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start)
         else:
@@ -307,10 +364,16 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
     def produce_step(self, tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start):
         """Producer warp: Q / dO of step `it` (query head head_kv * group + it // n_m, query tile
         m_min + it % n_m) into stage `state`; returns the advanced state."""
-        BM, HD = self.block_m, self.head_dim
-        tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, _, _, _, _ = tmas
         head = head_kv * group + it // n_m
         m_block = m_min + it % n_m
+        return self.produce_step_at(tmas, sQ, sdO, pipe_q, state, head, m_block, q_start)
+
+    @cute.jit
+    def produce_step_at(self, tmas, sQ, sdO, pipe_q, state, head, m_block, q_start):
+        """Producer warp: Q / dO of query tile m_block of query head `head` into stage `state`; returns the
+        advanced state."""
+        BM, HD = self.block_m, self.head_dim
+        tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, _, _, _, _ = tmas
         gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD), (m_block, 0))
         gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_dO[None, None, head]), (BM, HD), (m_block, 0))
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
@@ -323,6 +386,32 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         state.advance()
         return state
 
+    # ---------------------------------------------------------------- the aux variant's query-tile ranges
+
+    @cute.jit
+    def aux_steps(self, aux, batch, head_kv, group, n_block, k_len, m_min, m_max):
+        """Steps of key tile n_block (its visibility range of query tiles [m_min, m_max)) once every query head's
+        range is narrowed by its mask; 0 for a tile with nothing to compute (past k_len, or no visible pair),
+        whose dK / dV are then zeros, as without aux.  The producer and the consumers both call this on the
+        same values."""
+        total = cutlass.Int32(0)
+        if n_block * self.block_n < k_len and m_max > m_min:
+            total = bwd_aux.dkdv_steps(aux, batch, head_kv, group, n_block, self.block_m, self.block_n, m_min, m_max)
+        return total
+
+    @cute.jit
+    def aux_first(self, aux_tile, head_kv, group, n_block, m_min):
+        """The first step's (query head, query tile, end of the head's range) of a tile with aux_steps > 0."""
+        aux, batch, m_max = aux_tile
+        return bwd_aux.dkdv_first(aux, batch, head_kv, group, n_block, self.block_m, self.block_n, m_min, m_max)
+
+    @cute.jit
+    def aux_next(self, aux_tile, head_kv, group, n_block, m_min, head, m_block, m_hi):
+        """The step after (head, m_block, m_hi) (bwd_aux.dkdv_next)."""
+        aux, batch, m_max = aux_tile
+        return bwd_aux.dkdv_next(aux, batch, head_kv, group, n_block, self.block_m, self.block_n, m_min, m_max, head,
+                                 m_block, m_hi)
+
     @cute.jit
     def claim_key_tile(self, queue, seqs, sched):
         """Producer warp: the next claimed key tile inside its sequence's slot, or the end (holes skipped:
@@ -333,10 +422,11 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         return lin, batch, n_block, head_kv
 
     @cute.jit
-    def produce_claimed(self, tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, seqs, queue, sched):
+    def produce_claimed(self, tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, seqs, queue, sched, aux=None):
         """The compact kernel's producer: claims a key tile, publishes its (number, sequence, key tile, kv
         head) for the consumers, issues its loads, and claims the next one once they are issued (as the
-        forward's `produce_claimed`, which says why)."""
+        forward's `produce_claimed`, which says why).  Aux: the steps are those of the narrowed ranges, which
+        the consumers derive from the published values in the same way (`aux_steps`)."""
         per_head, heads_kv, group, _ = sched
         state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -349,9 +439,17 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
                                                                 cutlass.Int32(0)))
         while lin < total_tiles:
             n_m = m_max - m_min
-            if n_block * self.block_n < k_len and n_m > 0:
-                state_kv, state = self.produce_tile(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, state_kv, state, n_block,
-                                                    head_kv, group, n_m, m_min, group * n_m, q_start, k_start, False)
+            if cutlass.const_expr(aux is None):
+                if n_block * self.block_n < k_len and n_m > 0:
+                    state_kv, state = self.produce_tile(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, state_kv, state,
+                                                        n_block, head_kv, group, n_m, m_min, group * n_m, q_start,
+                                                        k_start, False)
+            else:
+                steps = self.aux_steps(aux, batch, head_kv, group, n_block, k_len, m_min, m_max)
+                if steps > 0:
+                    state_kv, state = self.produce_tile(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, state_kv, state,
+                                                        n_block, head_kv, group, n_m, m_min, steps, q_start, k_start,
+                                                        False, (aux, batch, m_max))
             lin, batch, n_block, head_kv = self.claim_key_tile(queue, seqs, sched)
             q_start, _, k_start, k_len, k_slot, _, _, _, m_min, m_max = bounds.key_tile(*seqs, batch, n_block,
                                                                                         self.block_m, self.block_n)
@@ -360,7 +458,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
 
     @cute.jit
     def consume_claimed(self, sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s,
-                        mma_kv, copy_out, score_mul, cap_mul, dscale, seqs, queue, slots, sched, out_tiles):
+                        mma_kv, copy_out, score_mul, cap_mul, dscale, seqs, queue, slots, sched, out_tiles, aux=None):
         """The compact kernel's consumers: the key tiles the producer claimed, in its order, until a claim past
         the end.  The slot of the current tile stays held until its epilogue is done: `key_tile` and
         `epilogue_rows` read the tile's values from it (`slot`, a view of the slot's values after the tile
@@ -384,11 +482,20 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
             tb = bounds.key_tile(*seqs, batch, n_block, self.block_m, BN)
             n_m = tb.hi - tb.lo
             n0 = n_block * BN
-            if n0 < tb.k_len and n_m > 0:
+            steps = n_m
+            aux_tile = None
+            if cutlass.const_expr(aux is not None):
+                # The producer's steps, derived in the same way (`produce_claimed`).
+                steps = self.aux_steps(aux, batch, head_kv, group, n_block, tb.k_len, tb.lo, tb.hi)
+                aux_tile = (aux, batch, tb.hi)
+            if n0 < tb.k_len and steps > 0:
+                total = group * n_m
+                if cutlass.const_expr(aux is not None):
+                    total = steps
                 state_kv, state = self.consume(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK,
                                                mdV, mma_s, mma_kv, copy_out, score_mul, cap_mul, dscale, n_block,
-                                               slot, head_kv, group, n_m, group * n_m, tb, state_kv, state, True,
-                                               out_tiles)
+                                               slot, head_kv, group, n_m, total, tb, state_kv, state, True,
+                                               out_tiles, aux_tile)
             else:
                 for out in (mdK, mdV):
                     g = cute.local_tile(cute.domain_offset((tb.k_start, 0), out[None, head_kv, None]), (BN, HD),
@@ -396,3 +503,46 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
                     sc.zero_rows_global(self.dtype, BN, HD, copy_out, g, n0, tb.slot, tidx)
             state_tile = tile_queue.release(queue, state_tile)
             lin = tile_queue.peek(queue, state_tile)
+
+
+class BwdDKDVSm90Aux(BwdDKDVSm90):
+    """`BwdDKDVSm90(..., aux=True)`: masks and biases as tensors (bwd_aux).  Only the exported signature differs
+    (the aux ABI: the aux tensors after mTileCounter, aux_flags after max_seqlen_k); score_mul is the plain
+    softmax scale (natural units), cap_mul is unused."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        mTileCounter: cute.Tensor,
+        mMask: cute.Tensor,
+        mBias: cute.Tensor,
+        mBias32: cute.Tensor,
+        mTileMap: cute.Tensor,
+        mColRange: cute.Tensor,
+        mRowMax: cute.Tensor,
+        mLogSum: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_k: cutlass.Int32,
+        aux_flags: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        aux = bwd_aux.BwdAux(mMask, mBias, mBias32, mTileMap, mColRange, mRowMax, mLogSum, aux_flags)
+        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul,
+                     cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_k, stream, aux)

@@ -5,7 +5,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
-from ..common import bounds, bwd_scores, masking
+from ..common import aux_scores, bounds, bwd_scores, masking
+from . import bwd_aux
 from . import common as sc
 from .bwd_base import BAR_CONSUMERS, BAR_DS_READY, BAR_P_READY, BAR_WG_BASE
 
@@ -16,11 +17,14 @@ class DKDVSteps:
     @cute.jit
     def consume(self, sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s, mma_kv,
                 copy_out, score_mul, cap_mul, dscale, n_block, slot, head_kv, group, n_m, total, tb, state_kv, state,
-                release_kv: cutlass.Constexpr, out_tiles=None):
+                release_kv: cutlass.Constexpr, out_tiles=None, aux_tile=None):
         """The consumers' part of one key tile (`tb`: its bounds.TileBounds; `total` = group x n_m steps, one per
         query head of the group and query tile that sees the key tile); returns the advanced pipeline states.
         `release_kv`: free the K / V stage for the next tile: right after the last step's GEMMs where `out_tiles` (two staging tiles of
-        sK's layout) take dK / dV, else once the epilogue, staged through sK / sV, has read them."""
+        sK's layout) take dK / dV, else once the epilogue, staged through sK / sV, has read them.
+        `aux_tile` (aux variant: (bwd_aux.BwdAux, sequence, m_max)): the steps walk each query head's narrowed
+        range as the producer does (`total` counts them), S^T becomes natural-unit scores with the head's mask
+        and bias (aux_scores.scores), and P^T comes from the forward's m and ln l (bwd_scores.probs_exact)."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         q_start, q_len, k_start, k_len, k_slot, off, left, right, m_min, _ = tb
         dt = self.dtype
@@ -61,6 +65,10 @@ class DKDVSteps:
         n_cols = cute.size(cS_mn, mode=[1])
         lse2 = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
         delta = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
+        # Aux: lse2 holds ln l * log2(e), row_max the row max m (bwd_scores.probs_exact).
+        row_max = None
+        if cutlass.const_expr(aux_tile is not None):
+            row_max = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
         rP = cute.make_rmem_tensor(s_shape, dt)
         tPrP = cute.make_tensor(rP.iterator, sc.c_to_a_layout(rP.layout))
         rdS = cute.make_rmem_tensor(s_shape, dt)
@@ -73,7 +81,16 @@ class DKDVSteps:
         t_wg = tidx % 128
         stat_kind = t_wg // BM
         stat_row = t_wg % BM
-        stat = self.stat_load(mLSE, mDelta, head_kv * group, q_start, q_len, m_min * BM + stat_row, stat_kind)
+        # The aux variant walks a cursor (query head, query tile, end of that head's narrowed range) instead of
+        # counting through group x n_m steps, and stages ln l and m where the plain kernel stages lse.
+        m_hi = None
+        head = None
+        m_block = None
+        if cutlass.const_expr(aux_tile is None):
+            stat = self.stat_load(mLSE, mDelta, head_kv * group, q_start, q_len, m_min * BM + stat_row, stat_kind)
+        else:
+            head, m_block, m_hi = self.aux_first(aux_tile, head_kv, group, self.key_tile(n_block, slot), m_min)
+            stat = bwd_aux.stat_load(aux_tile[0], mDelta, head, q_start, q_len, m_block * BM + stat_row, stat_kind)
 
         # Head-dim split: per-thread views of P^T (fp32) and dS^T in shared memory,
         # in the S^T fragment's layout (the same thread of the other warpgroup reads what this one wrote).
@@ -85,23 +102,44 @@ class DKDVSteps:
             copy_dsx = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt), mma_s)
 
         pipe_kv.consumer_wait(state_kv)
-        # (query head, query tile) of the step, advanced by counting (no integer division per step).
-        head = head_kv * group
-        m_block = m_min
+        # (query head, query tile) of the step, advanced by counting (no integer division per step); the aux
+        # variant's cursor started above.
+        if cutlass.const_expr(aux_tile is None):
+            head = head_kv * group
+            m_block = m_min
         for it in cutlass.range(total, unroll=1):
             m0 = m_block * BM
             par = it % 2
             if t_wg < 2 * BM:
-                sStat[stat_row, stat_kind, par, wg] = self.stat_finish(stat, stat_kind)
+                if cutlass.const_expr(aux_tile is None):
+                    sStat[stat_row, stat_kind, par, wg] = self.stat_finish(stat, stat_kind)
+                else:
+                    st_a, st_b = bwd_aux.stat_finish(stat[0], stat[1], stat_kind)
+                    sStat[stat_row, stat_kind, par, wg] = st_a
+                    if stat_kind == 0:
+                        sStat[stat_row, 2, par, wg] = st_b
             cute.arch.barrier(barrier_id=BAR_WG_BASE + wg, number_of_threads=128)
             next_head = head
             next_m = m_block + 1
-            if next_m == m_min + n_m:
-                next_m = m_min
-                next_head = head + 1
+            next_hi = m_hi
+            if cutlass.const_expr(aux_tile is None):
+                if next_m == m_min + n_m:
+                    next_m = m_min
+                    next_head = head + 1
+            else:
+                next_head, next_m, next_hi = self.aux_next(aux_tile, head_kv, group, self.key_tile(n_block, slot),
+                                                           m_min, head, m_block, m_hi)
             if it + 1 < total:
                 # Issued a step ahead; nothing reads the loaded values before the next step's store.
-                stat = self.stat_load(mLSE, mDelta, next_head, q_start, q_len, next_m * BM + stat_row, stat_kind)
+                if cutlass.const_expr(aux_tile is None):
+                    stat = self.stat_load(mLSE, mDelta, next_head, q_start, q_len, next_m * BM + stat_row, stat_kind)
+                else:
+                    stat = bwd_aux.stat_load(aux_tile[0], mDelta, next_head, q_start, q_len, next_m * BM + stat_row,
+                                             stat_kind)
+            # Aux: the step's view (its query head's mask and bias).
+            view = None
+            if cutlass.const_expr(aux_tile is not None):
+                view = bwd_aux.view(aux_tile[0], aux_tile[1], head)
             pipe_q.consumer_wait(state)
             stage = state.index
             if m0 + BM > q_len:
@@ -112,7 +150,7 @@ class DKDVSteps:
                 self.exchange_step(wg, tidx % 128, stage, par, sStat, sdQ, sdS, copy_px, copy_dsx, mma_s0, mma_s,
                                    mma_kv, tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, acc_dK, acc_dV, rP, rdS, tPrP,
                                    tPrdS, cS_mn, lse2, delta, s_shape, self.key_tile(n_block, slot), m_block,
-                                   q_len, k_len, off, left, right, score_mul, cap_mul)
+                                   q_len, k_len, off, left, right, score_mul, cap_mul, view, row_max)
             else:
                 acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                 sc.gemm(mma_s0, mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True)
@@ -128,6 +166,13 @@ class DKDVSteps:
                         lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
                 n_step = self.key_tile(n_block, slot)
                 need = bounds.tile_needs_mask(n_step, m_block, BM, BN, q_len, k_len, off, left, right)
+                cls = None
+                if cutlass.const_expr(view is not None):
+                    # Aux (no softcap, so the reads are early): m, and the tile's mask class (its map loads run
+                    # under the GEMMs; every lane of each warp takes part, as tile_class needs).
+                    for x in cutlass.range_constexpr(n_cols):
+                        row_max[x] = sStat[cS_mn[0, x][1], 2, par, wg]
+                    cls = aux_scores.tile_class(view, m_block, n_step, BM, BN)
                 warpgroup.wait_group(1)
                 if cutlass.const_expr(not early_stats):
                     for x in cutlass.range_constexpr(n_cols):
@@ -138,8 +183,14 @@ class DKDVSteps:
                     acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                     t_mn = masking.acc_mn_view_sm90(acc_T)
                 n0_step = self.key_tile(n_block, slot) * BN
-                bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right, score_mul, cap_mul,
-                                    need, 1, self.has_softcap)
+                if cutlass.const_expr(view is None):
+                    bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right, score_mul, cap_mul,
+                                        need, 1, self.has_softcap)
+                else:
+                    # Natural-unit scores with the mask (-inf) and the bias, then P^T from m and ln l; the
+                    # visibility rule applies after, inside probs_exact, as in the plain kernel.
+                    aux_scores.scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, score_mul, cls, 1)
+                    bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m0, n0_step, k_len, off, left, right, need, 1)
                 rP.store(acc_S.load().to(dt))
                 if cutlass.const_expr(early_stats):
                     for x in cutlass.range_constexpr(n_cols):
@@ -160,6 +211,8 @@ class DKDVSteps:
             state.advance()
             head = next_head
             m_block = next_m
+            if cutlass.const_expr(aux_tile is not None):
+                m_hi = next_hi
 
         # Epilogue: dK (times the softmax scale) and dV through sK / sV, or the staging tiles (every consumer's
         # GEMMs are complete after the barrier; with staging tiles it also orders this tile's writes after the
@@ -213,7 +266,8 @@ class DKDVSteps:
     @cute.jit
     def exchange_step(self, wg, tidx_wg, stage, par, sStat, sPx, sdSx, copy_px, copy_dsx, mma_s0, mma_s, mma_kv, tSrK,
                       tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, acc_dK, acc_dV, rP, rdS, tPrP, tPrdS, cS_mn, lse2, delta,
-                      s_shape, n_block, m_block, q_len, k_len, off, left, right, score_mul, cap_mul):
+                      s_shape, n_block, m_block, q_len, k_len, off, left, right, score_mul, cap_mul, view=None,
+                      row_max=None):
         """One step of the head-dim split.  Warpgroup 0: S^T = K Q^T, P^T (masks by select), P^T -> sPx,
         dV_0 += P^T dO_0 (its half of the head dim), then dS^T <- sdSx and dK_0 += dS^T Q_0.  Warpgroup 1:
         dP^T = V dO^T, P^T <- sPx, dS^T = P^T (dP^T - Delta) (0 where P^T = 0, by select), dS^T -> sdSx,
@@ -225,7 +279,8 @@ class DKDVSteps:
         where P^T = 0, so a NaN score of a key past its length cannot reach it), and P^T crosses in the input
         dtype for warpgroup 1's dV GEMM, through the dS^T tile: each thread of warpgroup 1 reads its elements of
         P^T there before it writes its elements of dS^T to the same addresses, and warpgroup 0 writes the next
-        P^T there only after reading dS^T."""
+        P^T there only after reading dS^T.  Aux (`view`: the step's aux_scores.AuxView, `row_max`: m): warpgroup 0
+        forms P^T from natural-unit scores and m, ln l (bwd_scores.probs_exact), as `consume` does."""
         BM, BN = self.block_m, self.block_n
         dt = self.dtype
         n_cols = cute.size(cS_mn, mode=[1])
@@ -238,6 +293,12 @@ class DKDVSteps:
             need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
             for x in cutlass.range_constexpr(n_cols):
                 lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
+            cls = None
+            if cutlass.const_expr(view is not None):
+                # Every lane of warpgroup 0's warps (tile_class votes per warp).
+                for x in cutlass.range_constexpr(n_cols):
+                    row_max[x] = sStat[cS_mn[0, x][1], 2, par, wg]
+                cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
             warpgroup.wait_group(0)
             if cutlass.const_expr(self.has_softcap):
                 acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
@@ -256,8 +317,13 @@ class DKDVSteps:
                 cute.copy(copy_dsx, thr_dsx.retile(rP), thr_dsx.partition_D(sdSx))
                 cute.arch.barrier_arrive(barrier_id=BAR_P_READY, number_of_threads=self.num_consumer_threads)
             else:
-                bwd_scores.probs_and_dscale(x_mn, x_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
-                                    score_mul, cap_mul, need, 1, False)
+                if cutlass.const_expr(view is None):
+                    bwd_scores.probs_and_dscale(x_mn, x_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left,
+                                                right, score_mul, cap_mul, need, 1, False)
+                else:
+                    aux_scores.scores(x_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, score_mul, cls, 1)
+                    bwd_scores.probs_exact(x_mn, cS_mn, row_max, lse2, m_block * BM, n_block * BN, k_len, off, left,
+                                           right, need, 1)
                 cute.copy(copy_px, thr_px.retile(acc_X), thr_px.partition_D(sPx))
                 cute.arch.barrier_arrive(barrier_id=BAR_P_READY, number_of_threads=self.num_consumer_threads)
                 rP.store(acc_X.load().to(dt))

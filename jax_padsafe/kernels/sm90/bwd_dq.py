@@ -6,7 +6,8 @@ import cutlass.pipeline as pipeline
 import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..common import bounds, bwd_scores, masking, tile_queue, tile_schedule, tiles
+from ..common import aux_scores, bounds, bwd_scores, masking, tile_queue, tile_schedule, tiles
+from . import bwd_aux
 from . import common as sc
 from .bwd_base import BAR_CONSUMERS, BAR_WG_BASE, Sm90BwdBase
 
@@ -14,9 +15,16 @@ from .bwd_base import BAR_CONSUMERS, BAR_WG_BASE, Sm90BwdBase
 class BwdDQSm90(Sm90BwdBase):
     """dQ for one query tile of block_m = 2 x 64 queries of one head."""
 
+    def __new__(cls, *args, aux: bool = False, **kwargs):
+        # The aux variant's __call__ takes more arguments (the aux ABI); cute.compile traces the class's
+        # __call__, so that variant is a subclass that only adds its own.
+        if aux and cls is BwdDQSm90:
+            cls = BwdDQSm90Aux
+        return super().__new__(cls)
+
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool, *,
-                 pin_waits: bool, queue_dense: bool):
-        super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap)
+                 pin_waits: bool, queue_dense: bool, aux: bool = False):
+        super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap, aux)
         assert block_m == 128
         # The wait for dP pinned after P (common.wgmma_wait_after): ptxas issues it after ~9 of the 32
         # exp2 otherwise, so most of P is computed after dP is complete instead of under it.
@@ -51,6 +59,20 @@ class BwdDQSm90(Sm90BwdBase):
         max_seqlen_q: cutlass.Int32,
         stream: cuda.CUstream,
     ):
+        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul,
+                     dscale, window_left, window_right, bottom_right, max_seqlen_q, stream, None)
+
+    @cute.jit
+    def _launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                mDelta: cute.Tensor, mdQ: cute.Tensor, mCuQ: cute.Tensor, mCuK: cute.Tensor, mUsedQ: cute.Tensor,
+                mUsedK: cute.Tensor, mTileCounter: cute.Tensor, score_mul: cutlass.Float32, cap_mul: cutlass.Float32,
+                dscale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
+                bottom_right: cutlass.Int32, max_seqlen_q: cutlass.Int32, stream: cuda.CUstream, aux):
+        """The launch, shared by both variants' __call__; `aux`: the aux variant's bwd_aux.BwdAux, else None
+        (the kernel then takes it as one more argument after `compact`)."""
+        extra = ()
+        if cutlass.const_expr(aux is not None):
+            extra = (aux,)
         dt = self.dtype
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         sQ_layout = sc.smem_layout(dt, BM, HD)
@@ -93,14 +115,14 @@ class BwdDQSm90(Sm90BwdBase):
                 sQ_layout, sK_layout, mma_s, mma_q, copy_out, q_bytes, k_bytes, SharedStorage)
         heads = cute.size(mQ.shape[1])
         # The dQ staging tile (`kernel`) of the compact kernel.
-        compact = (args, max_seqlen_q, total_q, heads, batch, BM, q_bytes, SharedStorage, stream)
+        compact = (args, max_seqlen_q, total_q, heads, batch, BM, q_bytes, SharedStorage, stream, extra)
         if cutlass.const_expr(self.queue_dense):
             self._launch_compact(*compact)
         else:
             if tile_schedule.use_compact_grid(max_seqlen_q, total_q, batch, BM) != 0:
                 self._launch_compact(*compact)
             else:
-                self.kernel(*args, False).launch(
+                self.kernel(*args, False, *extra).launch(
                     grid=tile_schedule.tile_grid(False, max_seqlen_q, total_q, heads, batch, BM),
                     block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
                     min_blocks_per_mp=1)
@@ -140,6 +162,7 @@ class BwdDQSm90(Sm90BwdBase):
         k_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
         compact: cutlass.Constexpr,
+        aux=None,
     ):
         BM, HD = self.block_m, self.head_dim
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -175,17 +198,17 @@ class BwdDQSm90(Sm90BwdBase):
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
-                    self.produce_claimed(tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, seqs, queue, sched)
+                    self.produce_claimed(tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, seqs, queue, sched, aux)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume_claimed(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
-                                     score_mul, cap_mul, dscale, seqs, queue, sched, sOut)
+                                     score_mul, cap_mul, dscale, seqs, queue, sched, sOut, aux)
         else:
             m_block_rev, head, batch = cute.arch.block_idx()
             # Highest query tiles first: under causal masks they visit the most key tiles (the order of CTAs
             # changes no bit of any result).
             m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
-            tb = bounds.query_tile(*seqs, batch, m_block, BM, self.block_n)
+            tb = self.query_bounds(seqs, batch, m_block, head, aux)
             head_kv = head // group
             m0 = m_block * BM
             # A query tile past q_len, or one whose queries see no key: dQ = 0, written for the tile's rows up
@@ -205,13 +228,24 @@ class BwdDQSm90(Sm90BwdBase):
                                  score_mul, cap_mul, dscale, m_block, head, tb,
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages),
-                                 False)
+                                 False, None, aux, batch)
             else:
                 tidx, _, _ = cute.arch.thread_idx()
                 if tidx < self.num_consumer_threads:
                     gdQ = cute.local_tile(cute.domain_offset((tb.q_start, 0), mdQ[None, head, None]), (BM, HD),
                                           (m_block, 0))
                     sc.zero_rows_global(self.dtype, BM, HD, copy_out, gdQ, m0, tb.slot, tidx)
+
+    @cute.jit
+    def query_bounds(self, seqs, batch, m_block, head, aux):
+        """bounds.TileBounds of query tile m_block; aux: its key tiles [lo, hi) narrowed by head `head`'s mask
+        (bwd_aux.dq_range).  Where the producer and the consumers each decide whether the tile has work and which
+        key tiles it visits, they call this on the same values, so both walk the same tiles; a tile left with an
+        empty range writes zeros, as an empty tile does without aux."""
+        tb = bounds.query_tile(*seqs, batch, m_block, self.block_m, self.block_n)
+        if cutlass.const_expr(aux is not None):
+            tb = bwd_aux.dq_range(aux, tb, batch, head, m_block, self.block_m, self.block_n)
+        return tb
 
     @cute.jit
     def produce_tile(self, tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, state_q, state, m_block, head, head_kv, q_start,
@@ -265,7 +299,7 @@ class BwdDQSm90(Sm90BwdBase):
         return lin, batch, m_block, head
 
     @cute.jit
-    def produce_claimed(self, tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, seqs, queue, sched):
+    def produce_claimed(self, tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, seqs, queue, sched, aux=None):
         """The compact kernel's producer: tiles in the order they are claimed (each head's highest query tile
         first; the heads last first), each published as (number, sequence, query tile, head), the next one
         claimed once the current one's loads are issued (as the forward's `produce_claimed`, which says why)."""
@@ -277,7 +311,7 @@ class BwdDQSm90(Sm90BwdBase):
         lin, batch, m_block, head = self.claim_query_tile(queue, seqs, sched)
         state_tile = tile_queue.publish(queue, state_tile, (lin, batch, m_block, head))
         while lin < total:
-            tb = bounds.query_tile(*seqs, batch, m_block, self.block_m, self.block_n)
+            tb = self.query_bounds(seqs, batch, m_block, head, aux)
             if m_block * self.block_m < tb.q_len and tb.hi > tb.lo:
                 state_q, state = self.produce_tile(tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, state_q, state, m_block,
                                                    head, head // group, tb.q_start, tb.k_start, tb.lo, tb.hi)
@@ -286,7 +320,7 @@ class BwdDQSm90(Sm90BwdBase):
 
     @cute.jit
     def consume_claimed(self, sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
-                        score_mul, cap_mul, dscale, seqs, queue, sched, sOut):
+                        score_mul, cap_mul, dscale, seqs, queue, sched, sOut, aux=None):
         """The compact kernel's consumers: the tiles the producer published, in its order, until the end; a
         tile with nothing to compute gets its zeros (rows up to the slot end)."""
         BM, HD = self.block_m, self.head_dim
@@ -303,12 +337,12 @@ class BwdDQSm90(Sm90BwdBase):
             m_block = tile_queue.field(queue, state_tile, 2)
             head = tile_queue.field(queue, state_tile, 3)
             state_tile = tile_queue.release(queue, state_tile)
-            tb = bounds.query_tile(*seqs, batch, m_block, BM, self.block_n)
+            tb = self.query_bounds(seqs, batch, m_block, head, aux)
             m0 = m_block * BM
             if m0 < tb.q_len and tb.hi > tb.lo:
                 state_q, state = self.consume(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q,
                                               copy_out, score_mul, cap_mul, dscale, m_block, head, tb, state_q, state,
-                                              True, sOut)
+                                              True, sOut, aux, batch)
             else:
                 gdQ = cute.local_tile(cute.domain_offset((tb.q_start, 0), mdQ[None, head, None]), (BM, HD),
                                       (m_block, 0))
@@ -317,11 +351,14 @@ class BwdDQSm90(Sm90BwdBase):
 
     @cute.jit
     def consume(self, sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out, score_mul,
-                cap_mul, dscale, m_block, head, tb, state_q, state, release_q: cutlass.Constexpr, sOut=None):
+                cap_mul, dscale, m_block, head, tb, state_q, state, release_q: cutlass.Constexpr, sOut=None,
+                aux=None, batch=None):
         """The consumers' part of one query tile (`tb`: its bounds.TileBounds); returns the advanced pipeline
         states.  `release_q`: free the
         Q / dO stage for the next tile: right after the last step's GEMMs where `sOut` (a staging tile of sQ's
-        layout) takes dQ, else once the epilogue, staged through sQ, has read it."""
+        layout) takes dQ, else once the epilogue, staged through sQ, has read it.  `aux` (aux variant: its
+        bwd_aux.BwdAux, with the tile's sequence `batch`): S becomes natural-unit scores with the head's mask and
+        bias, and P comes from the forward's m and ln l (`dq_probs`)."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         q_start, q_len, _, k_len, q_slot, off, left, right, n_min, n_max = tb
         dt = self.dtype
@@ -348,7 +385,16 @@ class BwdDQSm90(Sm90BwdBase):
         n_rows = cute.size(cS_mn, mode=[0])
         lse2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
         delta = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        bwd_scores.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 0)
+        row_max = None
+        view = None
+        if cutlass.const_expr(aux is None):
+            bwd_scores.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 0)
+        else:
+            # The forward's exact statistics: lse2 holds ln l * log2(e), row_max m.
+            row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            bwd_scores.load_row_stats_exact(aux.row_max, aux.log_sum, mDelta, head, q_start, q_len, m0, cS_mn, row_max,
+                                            lse2, delta, 0)
+            view = bwd_aux.view(aux, batch, head)
         rdS = cute.make_rmem_tensor(s_shape, dt)
         tQrdS = cute.make_tensor(rdS.iterator, sc.c_to_a_layout(rdS.layout))
 
@@ -366,9 +412,13 @@ class BwdDQSm90(Sm90BwdBase):
             n_block = n_max - 1 - it
             self.dq_scores_issue(pipe_kv, state, sK, mma_s0, mma_s, acc_S, acc_dP, tSrQ, tSrdO, tSrK, tSrV,
                                  n_block, k_len, tidx, wg)
+            cls = None
+            if cutlass.const_expr(aux is not None):
+                # The tile's mask class; its map loads run under the GEMMs (every lane of each warp: it votes).
+                cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
             warpgroup.wait_group(1)
             self.dq_probs(acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right,
-                          score_mul, cap_mul)
+                          score_mul, cap_mul, view, cls, row_max)
             if cutlass.const_expr(self.pin_waits):
                 sc.wgmma_wait_after(acc_S, opaque_zero, 0)
             warpgroup.wait_group(0)
@@ -414,17 +464,24 @@ class BwdDQSm90(Sm90BwdBase):
 
     @cute.jit
     def dq_probs(self, acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right, score_mul,
-                 cap_mul):
+                 cap_mul, view=None, cls=None, row_max=None):
         """S -> P in place (select: 0 where masked or the query is padded / empty); with softcap acc_T gets
-        1 - tanh^2 for dS."""
+        1 - tanh^2 for dS.  Aux (`view`, the tile's `cls`, `row_max` m; lse2 holds ln l * log2 e): natural-unit
+        scores with the mask and bias first (aux_scores.scores), then P from m and ln l (probs_exact), with the
+        visibility rule applied after, as in the plain kernel."""
         BM, BN = self.block_m, self.block_n
         s_mn = masking.acc_mn_view_sm90(acc_S)
         t_mn = s_mn
         if cutlass.const_expr(self.has_softcap):
             t_mn = masking.acc_mn_view_sm90(acc_T)
         need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
-        bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
-                                    score_mul, cap_mul, need, 0, self.has_softcap)
+        if cutlass.const_expr(view is None):
+            bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
+                                        score_mul, cap_mul, need, 0, self.has_softcap)
+        else:
+            aux_scores.scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, score_mul, cls, 0)
+            bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
+                                   need, 0)
 
     @cute.jit
     def dq_dscores(self, acc_S, acc_dP, acc_T, delta, rdS):
@@ -435,3 +492,45 @@ class BwdDQSm90(Sm90BwdBase):
             t_mn = masking.acc_mn_view_sm90(acc_T)
         bwd_scores.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 0, self.has_softcap)
         rdS.store(acc_dP.load().to(self.dtype))
+
+
+class BwdDQSm90Aux(BwdDQSm90):
+    """`BwdDQSm90(..., aux=True)`: masks and biases as tensors (bwd_aux).  Only the exported signature differs
+    (the aux ABI: the aux tensors after mTileCounter, aux_flags after max_seqlen_q); score_mul is the plain
+    softmax scale (natural units), cap_mul is unused."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQ: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
+        mUsedQ: cute.Tensor,
+        mUsedK: cute.Tensor,
+        mTileCounter: cute.Tensor,
+        mMask: cute.Tensor,
+        mBias: cute.Tensor,
+        mBias32: cute.Tensor,
+        mTileMap: cute.Tensor,
+        mRowRange: cute.Tensor,
+        mRowMax: cute.Tensor,
+        mLogSum: cute.Tensor,
+        score_mul: cutlass.Float32,
+        cap_mul: cutlass.Float32,
+        dscale: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        bottom_right: cutlass.Int32,
+        max_seqlen_q: cutlass.Int32,
+        aux_flags: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        aux = bwd_aux.BwdAux(mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, aux_flags)
+        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul,
+                     dscale, window_left, window_right, bottom_right, max_seqlen_q, stream, aux)
