@@ -130,7 +130,8 @@ ffi::Error CheckProblem(const char *target, const ffi::AnyBuffer &q, const ffi::
 ffi::Error NoVariant(const char *target, const char *what, const Problem &p, int arch, const std::string &built_dims,
                      bool excluded) {
   const std::string call = "head_dim " + std::to_string(p.head_dim) + ", dtype " + (p.dtype ? "float16" : "bfloat16") +
-                           ", softcap " + std::to_string(p.softcap) + " on sm_" + std::to_string(arch);
+                           ", softcap " + std::to_string(p.softcap) + (p.aux ? ", with mask / bias tensors" : "") +
+                           " on sm_" + std::to_string(arch);
   std::string msg = std::string(target) + ": no " + what + " kernel ";
   if (excluded)
     msg += "may serve " + call + ": its only variants are the Hopper family's, excluded by JAX_PADSAFE_SM90=0 or " +
@@ -138,7 +139,7 @@ ffi::Error NoVariant(const char *target, const char *what, const Problem &p, int
   else
     msg += "was built for " + call + " (head dims built for that dtype and softcap: " +
            (built_dims.empty() ? std::string("none") : built_dims) +
-           "; rebuild with JPS_HEAD_DIMS, JPS_DTYPES and JPS_SOFTCAP including it)";
+           "; rebuild with JPS_HEAD_DIMS, JPS_DTYPES, JPS_SOFTCAP and JPS_AUX including it)";
   return ffi::Error(ffi::ErrorCode::kUnimplemented, msg);
 }
 

@@ -116,6 +116,7 @@ struct Problem {
   int64_t batch;                              // B: entries of seqused_q
   int dtype;                                  // registry code: 0 bfloat16, 1 float16
   int softcap;                                // 0/1: softcap > 0
+  int aux;                                    // 0/1: masks and biases as tensors (the aux variants)
 };
 
 // The checks both handlers make on q, k, v, the sequence bounds and the scalars: ranks and shapes, one dtype
@@ -147,7 +148,7 @@ ffi::Error FindVariant(const char *target, const char *what, const Variant *tabl
   bool excluded = false;
   for (int i = 0; i < count; ++i) {
     const Variant &c = table[i];
-    if (c.arch != arch || c.dtype != p.dtype || c.softcap != p.softcap) continue;
+    if (c.arch != arch || c.dtype != p.dtype || c.softcap != p.softcap || c.aux != p.aux) continue;
     if (c.head_dim != p.head_dim) {
       const std::string dim = std::to_string(c.head_dim);
       if ((" " + built_dims + " ").find(" " + dim + " ") == std::string::npos)

@@ -1,5 +1,5 @@
-// XLA FFI handler of the backward kernels: target "jax_padsafe_bwd" (platform CUDA), FFI API of the oldest
-// supported jaxlib (0.10.2 -> 0.3).
+// XLA FFI handlers of the backward kernels: targets "jax_padsafe_bwd" and, for masks and biases given as
+// tensors, "jax_padsafe_bwd_aux" (platform CUDA), FFI API of the oldest supported jaxlib (0.10.2 -> 0.3).
 //   initialize: loads the backward and row-zeroing kernel modules of this device's architecture (once).
 //   execute:    checks the arguments; zero-fills the Delta workspace; picks the variant; gives dq, dk and dv
 //               their zeros (common.h: OutputZeroing); zeroes the Hopper kernels' tile counters where a compact
@@ -7,6 +7,7 @@
 //               pass then a dK pass), dQ.  No kernel accumulates a result with atomics (the compact schedules
 //               hand out tiles through an atomic counter: that changes which CTA computes a tile, never how),
 //               so every call is deterministic (bitwise reproducible) and `deterministic` costs nothing.
+#include "aux.h"
 #include "common.h"
 #include "jps_bwd_args.h"
 #include "jps_bwd_registry.h"  // generated: kJpsBwdVariants, kJpsNumBwdVariants
@@ -15,6 +16,7 @@ namespace {
 
 namespace ffi = xla::ffi;
 constexpr const char *kTarget = "jax_padsafe_bwd";
+constexpr const char *kAuxTarget = "jax_padsafe_bwd_aux";
 
 jps::ArchLoader g_loader;
 
@@ -43,32 +45,45 @@ ffi::Error BwdInitialize(ffi::RemainingArgs, ffi::RemainingRets) {
   return LoadModules(arch);
 }
 
-ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
-                      ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> dlse,
-                      ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
-                      ffi::Buffer<ffi::S32> used_k, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                      ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
-                      ffi::Result<ffi::Buffer<ffi::S32>> tile_counters, float scale, float softcap,
-                      int32_t window_left, int32_t window_right, int32_t causal, int32_t bottom_right,
-                      int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t /*deterministic: always*/,
-                      int32_t rows_covered) {
+// The aux target's extra operands: the aux inputs and the forward's exact row statistics.
+struct AuxBackward {
+  jps::AuxOperands operands;
+  const ffi::Buffer<ffi::F32> *row_max, *log_sum;
+};
+
+ffi::Error Backward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> dlse,
+                    ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
+                    ffi::Buffer<ffi::S32> used_k, ffi::Result<ffi::AnyBuffer> &dq, ffi::Result<ffi::AnyBuffer> &dk,
+                    ffi::Result<ffi::AnyBuffer> &dv, ffi::Result<ffi::Buffer<ffi::F32>> &delta,
+                    ffi::Result<ffi::Buffer<ffi::S32>> &tile_counters, float scale, float softcap, int32_t window_left,
+                    int32_t window_right, int32_t causal, int32_t bottom_right, int32_t max_seqlen_q,
+                    int32_t max_seqlen_k, int32_t rows_covered, const AuxBackward *aux) {
   jps::Problem p{};
-  if (ffi::Error e = jps::CheckProblem(kTarget, q, k, v, cu_q, cu_k, used_q, used_k, scale, softcap, max_seqlen_q,
+  if (ffi::Error e = jps::CheckProblem(target, q, k, v, cu_q, cu_k, used_q, used_k, scale, softcap, max_seqlen_q,
                                        max_seqlen_k, &p);
       e.failure())
     return e;
+  int32_t aux_flags = 0;
+  if (aux) {
+    p.aux = 1;
+    if (ffi::Error e = jps::CheckAux(target, p, q.element_type(), aux->operands, &aux_flags); e.failure()) return e;
+    if (!jps::HasShape(aux->row_max->dimensions(), p.num_heads, p.total_q) ||
+        !jps::HasShape(aux->log_sum->dimensions(), p.num_heads, p.total_q))
+      return jps::InvalidArgument(target, "the row statistics must be [N, total_q]");
+  }
   const int64_t total_q = p.total_q, total_k = p.total_k, N = p.num_heads, K = p.num_kv_heads, H = p.head_dim, B = p.batch;
   const ffi::DataType et = q.element_type();
   auto like_q = [&](const auto &x) { return jps::HasShape(x.dimensions(), total_q, N, H) && x.element_type() == et; };
   auto like_k = [&](const auto &x) { return jps::HasShape(x.dimensions(), total_k, K, H) && x.element_type() == et; };
-  if (!like_q(o) || !like_q(dout) || !like_q(*dq)) return jps::InvalidArgument(kTarget, "o, do and dq must have q's shape and dtype");
-  if (!like_k(*dk) || !like_k(*dv)) return jps::InvalidArgument(kTarget, "dk and dv must have k's shape and dtype");
+  if (!like_q(o) || !like_q(dout) || !like_q(*dq)) return jps::InvalidArgument(target, "o, do and dq must have q's shape and dtype");
+  if (!like_k(*dk) || !like_k(*dv)) return jps::InvalidArgument(target, "dk and dv must have k's shape and dtype");
   if (!jps::HasShape(lse.dimensions(), N, total_q) || !jps::HasShape(dlse.dimensions(), N, total_q) ||
       !jps::HasShape(delta->dimensions(), N, total_q))
-    return jps::InvalidArgument(kTarget, "lse, dlse and the Delta workspace must be [N, total_q]");
-  if (tile_counters->element_count() < 2) return jps::InvalidArgument(kTarget, "tile_counters must have at least two elements");
+    return jps::InvalidArgument(target, "lse, dlse and the Delta workspace must be [N, total_q]");
+  if (tile_counters->element_count() < 2) return jps::InvalidArgument(target, "tile_counters must have at least two elements");
 
-  auto zero = [&](void *ptr, size_t bytes) { return jps::Zero(kTarget, stream, ptr, bytes); };
+  auto zero = [&](void *ptr, size_t bytes) { return jps::Zero(target, stream, ptr, bytes); };
   if (ffi::Error e = zero(delta->untyped_data(), delta->size_bytes()); e.failure()) return e;
   if (total_q == 0 || total_k == 0 || B == 0 || N == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) {
     if (ffi::Error e = zero(dq->untyped_data(), dq->size_bytes()); e.failure()) return e;
@@ -80,7 +95,7 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   if (ffi::Error e = CurrentArch(&arch); e.failure()) return e;
   if (ffi::Error e = LoadModules(arch); e.failure()) return e;  // a no-op once initialize ran
   const JpsBwdVariant *var = nullptr;
-  if (ffi::Error e = jps::FindVariant(kTarget, "backward", kJpsBwdVariants, kJpsNumBwdVariants, arch, p,
+  if (ffi::Error e = jps::FindVariant(target, "backward", kJpsBwdVariants, kJpsNumBwdVariants, arch, p,
                                       [](const JpsBwdVariant &) { return true; }, &var);
       e.failure())
     return e;
@@ -88,13 +103,13 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   const jps::OutputZeroing zeroing = jps::ChooseOutputZeroing(var->family, rows_covered != 0, arch);
   if (zeroing != jps::OutputZeroing::kMemset)
     for (ffi::Result<ffi::AnyBuffer> *x : {&dq, &dk, &dv})
-      if (ffi::Error e = jps::Poison(kTarget, stream, (*x)->untyped_data(), (*x)->size_bytes()); e.failure()) return e;
+      if (ffi::Error e = jps::Poison(target, stream, (*x)->untyped_data(), (*x)->size_bytes()); e.failure()) return e;
   if (zeroing == jps::OutputZeroing::kZeroUncoveredRows) {
-    if (ffi::Error e = jps::ZeroUncoveredRows(kTarget, arch, dq->untyped_data(), nullptr, total_q, N * H * 2,
+    if (ffi::Error e = jps::ZeroUncoveredRows(target, arch, dq->untyped_data(), nullptr, total_q, N * H * 2,
                                               cu_q.typed_data(), B, max_seqlen_q, stream);
         e.failure())
       return e;
-    if (ffi::Error e = jps::ZeroUncoveredRows(kTarget, arch, dk->untyped_data(), dv->untyped_data(), total_k, K * H * 2,
+    if (ffi::Error e = jps::ZeroUncoveredRows(target, arch, dk->untyped_data(), dv->untyped_data(), total_k, K * H * 2,
                                               cu_k.typed_data(), B, max_seqlen_k, stream);
         e.failure())
       return e;
@@ -123,18 +138,56 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   a.dscale = scale;
   a.max_seqlen_k = max_seqlen_k;
   a.tile_counters = tile_counters->typed_data();
+  if (aux) {
+    jps::FillAuxArgs(&a, aux->operands, aux_flags, const_cast<float *>(aux->row_max->typed_data()),
+                     const_cast<float *>(aux->log_sum->typed_data()));
+    a.score_mul = scale;  // the aux kernels form natural-unit scores q.k * scale + bias (aux_scores.scores)
+  }
   int32_t rc = var->pre(var->pre_module, &a, stream);
   if (rc == 0) rc = var->dkdv(var->dkdv_module, &a, stream);         // dK and dV, or the dV pass
   if (rc == 0 && var->dk) rc = var->dk(var->dk_module, &a, stream);  // the dK pass (head_dim > 128, SM80-class)
   if (rc == 0) rc = var->dq(var->dq_module, &a, stream);
-  if (rc != 0) return jps::CudaError(kTarget, std::string("launch of ") + var->name, cudaError_t(rc));
+  if (rc != 0) return jps::CudaError(target, std::string("launch of ") + var->name, cudaError_t(rc));
   return ffi::Error::Success();
+}
+
+ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+                      ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> dlse,
+                      ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
+                      ffi::Buffer<ffi::S32> used_k, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                      ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
+                      ffi::Result<ffi::Buffer<ffi::S32>> tile_counters, float scale, float softcap,
+                      int32_t window_left, int32_t window_right, int32_t causal, int32_t bottom_right,
+                      int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t /*deterministic: always*/,
+                      int32_t rows_covered) {
+  return Backward(kTarget, stream, q, k, v, o, lse, dout, dlse, cu_q, cu_k, used_q, used_k, dq, dk, dv, delta,
+                  tile_counters, scale, softcap, window_left, window_right, causal, bottom_right, max_seqlen_q,
+                  max_seqlen_k, rows_covered, nullptr);
+}
+
+ffi::Error BwdAuxExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+                         ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> dlse,
+                         ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
+                         ffi::Buffer<ffi::S32> used_k, ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer tile_map,
+                         ffi::AnyBuffer row_range, ffi::AnyBuffer col_range, ffi::Buffer<ffi::F32> row_max,
+                         ffi::Buffer<ffi::F32> log_sum, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
+                         ffi::Result<ffi::Buffer<ffi::S32>> tile_counters, float scale, float softcap,
+                         int32_t window_left, int32_t window_right, int32_t causal, int32_t bottom_right,
+                         int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t /*deterministic: always*/,
+                         int32_t rows_covered, int32_t has_mask, int32_t has_bias) {
+  const AuxBackward aux{{&mask, &bias, &tile_map, &row_range, &col_range, has_mask != 0, has_bias != 0}, &row_max,
+                        &log_sum};
+  return Backward(kAuxTarget, stream, q, k, v, o, lse, dout, dlse, cu_q, cu_k, used_q, used_k, dq, dk, dv, delta,
+                  tile_counters, scale, softcap, window_left, window_right, causal, bottom_right, max_seqlen_q,
+                  max_seqlen_k, rows_covered, &aux);
 }
 
 }  // namespace
 
 JPS_EXPORT XLA_FFI_Error *jps_bwd_initialize(XLA_FFI_CallFrame *call_frame);
 JPS_EXPORT XLA_FFI_Error *jps_bwd_execute(XLA_FFI_CallFrame *call_frame);
+JPS_EXPORT XLA_FFI_Error *jps_bwd_aux_execute(XLA_FFI_CallFrame *call_frame);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_initialize, BwdInitialize, ffi::Ffi::BindInitialize().RemainingArgs().RemainingRets());
 
@@ -171,6 +224,47 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_execute, BwdExecute,
                                   .Attr<int32_t>("rows_covered"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+// The aux target (initialize: jps_bwd_initialize, which loads every backward module of the arch).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_aux_execute, BwdAuxExecute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()             // q
+                                  .Arg<ffi::AnyBuffer>()             // k
+                                  .Arg<ffi::AnyBuffer>()             // v
+                                  .Arg<ffi::AnyBuffer>()             // o
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // lse
+                                  .Arg<ffi::AnyBuffer>()             // do
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // dlse
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // cu_seqlens_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // cu_seqlens_k
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // seqused_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // seqused_k
+                                  .Arg<ffi::AnyBuffer>()             // mask [Bx, Hx, Tx, S] bool
+                                  .Arg<ffi::AnyBuffer>()             // bias [Bx, Hx, Tx, S] q's dtype | float32
+                                  .Arg<ffi::AnyBuffer>()             // the mask's block map
+                                  .Arg<ffi::AnyBuffer>()             // its row ranges
+                                  .Arg<ffi::AnyBuffer>()             // its column ranges
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // the forward's row max [N, total_q]
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // the forward's ln of the row sum [N, total_q]
+                                  .Ret<ffi::AnyBuffer>()             // dq
+                                  .Ret<ffi::AnyBuffer>()             // dk
+                                  .Ret<ffi::AnyBuffer>()             // dv
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // Delta workspace [N, total_q]
+                                  .Ret<ffi::Buffer<ffi::S32>>()      // tile counters (scratch, [2])
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right")
+                                  .Attr<int32_t>("causal")
+                                  .Attr<int32_t>("bottom_right")
+                                  .Attr<int32_t>("max_seqlen_q")
+                                  .Attr<int32_t>("max_seqlen_k")
+                                  .Attr<int32_t>("deterministic")
+                                  .Attr<int32_t>("rows_covered")
+                                  .Attr<int32_t>("has_mask")
+                                  .Attr<int32_t>("has_bias"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 // The built variant table, for the Python side (built_variants, unsupported_reason).
 JPS_EXPORT int jps_num_bwd_variants() { return kJpsNumBwdVariants; }
 JPS_EXPORT int jps_bwd_variant(int i, int *arch, int *dtype, int *head_dim, int *softcap) {
@@ -181,4 +275,8 @@ JPS_EXPORT int jps_bwd_variant(int i, int *arch, int *dtype, int *head_dim, int 
   *head_dim = v.head_dim;
   *softcap = v.softcap;
   return 0;
+}
+JPS_EXPORT int jps_bwd_variant_aux(int i) {
+  if (i < 0 || i >= kJpsNumBwdVariants) return -1;
+  return kJpsBwdVariants[i].aux;
 }

@@ -19,6 +19,13 @@ struct JpsBwdArgs {
   // [2], zeroed by the handler where a compact schedule may run: the Hopper family's tile queues ([0] the
   // dK/dV kernel's, [1] the dQ kernel's); unused by the SM80-class family.
   int32_t *tile_counters;
+  // The aux variants only (masks and biases as tensors, kernels/common/aux_scores.py; ffi/aux.h fills these):
+  // the mask, the bias in the input dtype or float32, the mask's block map and its row / column ranges, each
+  // with its 4 sizes (compact row-major), the forward's exact row statistics, and which of them are live.
+  void *mask, *bias, *bias32, *tile_map, *row_range, *col_range;
+  int32_t mask_dims[4], bias_dims[4], bias32_dims[4], map_dims[4], row_range_dims[4], col_range_dims[4];
+  float *row_max, *log_sum;  // [N, total_q]: the forward writes them, the backward reads them
+  int32_t aux_flags;         // aux_scores.FLAG_*: 1 mask, 2 bias (input dtype), 4 bias (float32)
 };
 
 typedef int32_t (*JpsBwdLaunchFn)(void *module, const JpsBwdArgs *args, cudaStream_t stream);
@@ -45,4 +52,5 @@ struct JpsBwdVariant {
   // Family 1: the kernels that take their queued schedule on every layout, dense ones too (bit 0: dK/dV,
   // bit 1: dQ; read off the compiled kernels by the build): then every call needs zeroed tile counters.
   int queue_all;
+  int aux;  // 1: the dK/dV and dQ kernels take the aux arguments (masks and biases as tensors)
 };

@@ -16,6 +16,13 @@ struct JpsFwdArgs {
   int32_t bottom_right;       // 1: offset = seqused_k - seqused_q, 0: offset 0
   int32_t max_seqlen_q;       // grid.x = ceil(max_seqlen_q / block_m)
   int32_t *tile_counter;      // [1], zero-filled: the sm90 family's compact tile queue (unused by family 0)
+  // The aux variants only (masks and biases as tensors, kernels/common/aux_scores.py; ffi/aux.h fills these):
+  // the mask, the bias in the input dtype or float32, the mask's block map and its row / column ranges, each
+  // with its 4 sizes (compact row-major), the forward's exact row statistics, and which of them are live.
+  void *mask, *bias, *bias32, *tile_map, *row_range, *col_range;
+  int32_t mask_dims[4], bias_dims[4], bias32_dims[4], map_dims[4], row_range_dims[4], col_range_dims[4];
+  float *row_max, *log_sum;  // [N, total_q]: the forward writes them, the backward reads them
+  int32_t aux_flags;         // aux_scores.FLAG_*: 1 mask, 2 bias (input dtype), 4 bias (float32)
 };
 
 typedef int32_t (*JpsFwdLaunchFn)(void *module, const JpsFwdArgs *args, cudaStream_t stream);
@@ -32,6 +39,7 @@ struct JpsFwdVariant {
   JpsFwdLaunchFn launch;
   const char *name;
   int family;    // 0: SM80-class kernel (kernels/sm80), 1: Hopper TMA + wgmma kernel (kernels/sm90, arch 90 only)
+  int aux;       // 1: takes the aux arguments (masks and biases as tensors)
 };
 
 // Errors reported by the exported module loaders (CUTE_DSL_CUDA_ERROR_CHECK is redirected here; the generated

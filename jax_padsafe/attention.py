@@ -244,7 +244,10 @@ def _fold_pairwise(name, x, batch_shape):
     raise ValueError(f"{name} of shape {x.shape} has more dimensions than "
                      f"[batch..., heads, q_length, kv_length] = {want}")
   x = x.reshape((1,) * (want - x.ndim) + x.shape)
-  return _fold(x, batch_shape, x.shape[len(batch_shape):])
+  lead = len(batch_shape)
+  if all(d == 1 for d in x.shape[:lead]):  # shared by the whole batch: stays one (no B copies for the kernels)
+    return x.reshape((1,) + x.shape[lead:])
+  return _fold(x, batch_shape, x.shape[lead:])
 
 
 def attend(query, key, value, *, bias=None, mask=None, query_seq_lengths=None,

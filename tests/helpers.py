@@ -111,18 +111,19 @@ def make_runner(p: oracle.Problem, impl, *, grads=True, traced_ids=False):
   ``traced_ids``: pass the segment ids as arguments of the jitted function (as a training step
   does) instead of closing over them, so that they are traced rather than concrete."""
   kw = api_kwargs(p, impl)
+  kw.pop("mask", None)  # an argument of the jitted function: run_padded poisons its padding cells
   ids = (kw.pop("query_segment_ids"), kw.pop("key_value_segment_ids")) if traced_ids else ()
 
-  def f(q, k, v, bias, *ids):
+  def f(q, k, v, bias, mask, *ids):
     if ids:
       kw.update(query_segment_ids=ids[0], key_value_segment_ids=ids[1])
-    return jax_padsafe.dot_product_attention(q, k, v, bias, return_lse=True, **kw)
+    return jax_padsafe.dot_product_attention(q, k, v, bias, mask=mask, return_lse=True, **kw)
 
-  def run(q, k, v, bias, do, dl, *ids):
+  def run(q, k, v, bias, mask, do, dl, *ids):
     if not grads:
-      out, lse = f(q, k, v, bias, *ids)
+      out, lse = f(q, k, v, bias, mask, *ids)
       return dict(out=out, lse=lse)
-    (out, lse), vjp = jax.vjp(lambda q, k, v, bias: f(q, k, v, bias, *ids), q, k, v, bias)
+    (out, lse), vjp = jax.vjp(lambda q, k, v, bias: f(q, k, v, bias, mask, *ids), q, k, v, bias)
     dq, dk, dv, dbias = vjp((do, dl))
     res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     if dbias is not None:
@@ -142,15 +143,22 @@ def run_padded(p: oracle.Problem, dtype, runner, *, poison="zero", rng=None, d_o
   q = jnp.asarray(poison_rows(p.q, qv, poison, rng), dtype)
   k = jnp.asarray(poison_rows(p.k, kv, poison, rng), dtype)
   v = jnp.asarray(poison_rows(p.v, kv, poison, rng), dtype)
-  bias = None
+  bias = mask = None
   if p.bias is not None:
     # A bias entry that no visible (query, key) pair reads is padding too; -inf entries stay.
     used = p.visible().any(axis=tuple(i for i in range(4) if p.bias.shape[i] == 1), keepdims=True)
     bias = jnp.asarray(np.where(used | np.isneginf(p.bias), p.bias,
                                 poison_like(p.bias.shape, poison, rng)), bias_dtype)
+  if p.mask is not None:
+    # Mask cells outside the valid rectangle (padded queries or keys) are padding: any poison flips them at
+    # random (a bool holds no NaN), which must change nothing.
+    inside = (qv[:, None, :, None] & kv[:, None, None, :])
+    inside = inside.any(axis=tuple(i for i in range(4) if p.mask.shape[i] == 1), keepdims=True)
+    flipped = rng.random(p.mask.shape) < 0.5 if poison != "zero" else p.mask
+    mask = jnp.asarray(np.where(np.broadcast_to(inside, p.mask.shape), p.mask, flipped))
   do = jnp.asarray(poison_rows(d_out, qv, poison, rng), dtype)
   dl = jnp.asarray(np.where(qv[:, None, :], d_lse, poison_like(d_lse.shape, poison, rng)), jnp.float32)
-  return {name: np.asarray(x) for name, x in runner(q, k, v, bias, do, dl).items()}
+  return {name: np.asarray(x) for name, x in runner(q, k, v, bias, mask, do, dl).items()}
 
 
 def assert_contract_zeros(p: oracle.Problem, ours, ref):

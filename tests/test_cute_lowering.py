@@ -92,11 +92,12 @@ def test_bad_inputs_raise():
 
 def test_unsupported_reason():
     base = dict(dtype=jnp.bfloat16, head_dim=128, head_dim_v=128, num_heads=28, num_kv_heads=4, causal=True,
-                window=None, softcap=0.0, has_bias=False)
+                window=None, softcap=0.0, aux=False)
     assert library.unsupported_reason(**base) is None
     assert library.unsupported_reason(**{**base, "dtype": jnp.float16}) is None
-    for bad in ({"dtype": jnp.float32}, {"head_dim": 80, "head_dim_v": 80}, {"head_dim_v": 64}, {"has_bias": True},
-                {"num_kv_heads": 5}):
+    assert library.unsupported_reason(**{**base, "aux": True}) is None  # masks and biases: the aux variants
+    for bad in ({"dtype": jnp.float32}, {"head_dim": 80, "head_dim_v": 80}, {"head_dim_v": 64},
+                {"aux": True, "softcap": 30.0}, {"num_kv_heads": 5}):
         reason = library.unsupported_reason(**{**base, **bad})
         assert isinstance(reason, str) and reason
 

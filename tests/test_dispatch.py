@@ -13,6 +13,7 @@ from jax_padsafe import _backends
 from jax_padsafe._backends.cute import library
 from jax_padsafe._core.spec import AttentionSpec
 TARGET = "jax_padsafe_fwd"
+AUX_TARGET = "jax_padsafe_fwd_aux"
 
 
 def _qkv(b=2, t=16, s=24, n=8, k=2, h=64, dtype=jnp.bfloat16):
@@ -126,24 +127,53 @@ def test_varlen_lowers_to_custom_call(kernels_built):
   assert _targets(_lowered(f, q, k, k)).count(TARGET) == 1
 
 
-@pytest.mark.parametrize("case", ["mask", "bias", "float32", "noncontiguous_segment_ids",
+@pytest.mark.parametrize("case", ["mask_with_segment_ids", "bias_of_other_dtype", "mask_with_softcap",
+                                  "bias_per_query_only", "float32", "noncontiguous_segment_ids",
                                   "head_dim_80"])
 def test_unsupported_falls_back_or_raises(kernels_built, case):
   q, k, v = _qkv(h=80 if case == "head_dim_80" else 64,
                  dtype=jnp.float32 if case == "float32" else jnp.bfloat16)
   kw = {}
-  if case == "mask":
+  if case in ("mask_with_segment_ids", "mask_with_softcap"):
     kw["mask"] = jnp.ones((1, 1, 16, 24), bool)
-  if case == "bias":
-    kw["bias"] = jnp.zeros((1, 1, 16, 24), jnp.float32)
+  if case == "mask_with_segment_ids":
+    kw["query_segment_ids"] = jnp.zeros((2, 16), jnp.int32)
+    kw["key_value_segment_ids"] = jnp.zeros((2, 24), jnp.int32)
+  if case == "mask_with_softcap":
+    kw["softcap"] = 20.0
+  if case == "bias_of_other_dtype":  # q bf16: the kernels take a bf16 or float32 bias
+    kw["bias"] = jnp.zeros((1, 1, 16, 24), jnp.float16)
+  if case == "bias_per_query_only":  # one bias per query row: the kernels read it per key
+    kw["bias"] = jnp.zeros((1, 1, 16, 1), jnp.float32)
   if case == "noncontiguous_segment_ids":  # id 0 comes back after id 1: not one run
     kw["query_segment_ids"] = jnp.array([[0] * 5 + [1] * 5 + [0] * 6] * 2, jnp.int32)
     kw["key_value_segment_ids"] = jnp.zeros((2, 24), jnp.int32)
   default = lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, **kw)
-  assert TARGET not in _targets(_lowered(default, q, k, v))
+  targets = _targets(_lowered(default, q, k, v))
+  assert TARGET not in targets and AUX_TARGET not in targets
   with pytest.raises(NotImplementedError, match='implementation="cute"'):
     _lowered(lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, implementation="cute", **kw),
              q, k, v)
+
+
+@pytest.mark.parametrize("case", ["causal_padding_mask", "bias_f32", "bias_bf16_per_head", "mask_and_bias"])
+def test_mask_and_bias_lower_to_the_aux_kernels(kernels_built, case):
+  """Masks and biases of the padded layout go to the aux targets, forward and backward; dbias (when the
+  bias is differentiated) comes from the pure-JAX backward beside the kernel call."""
+  q, k, v = _qkv(h=64)
+  kw = {}
+  if case in ("causal_padding_mask", "mask_and_bias"):
+    kw["mask"] = jnp.tril(jnp.ones((16, 24), bool))[None, None] & (jnp.arange(24) < 20)[None, None, None]
+  if case in ("bias_f32", "mask_and_bias"):
+    kw["bias"] = jnp.zeros((1, 1, 16, 24), jnp.float32)
+  if case == "bias_bf16_per_head":
+    kw["bias"] = jnp.zeros((2, q.shape[2], 1, 24), jnp.bfloat16)
+  f = lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, implementation="cute", **kw)
+  targets = _targets(_lowered(f, q, k, v))
+  assert targets.count(AUX_TARGET) == 1 and TARGET not in targets
+  loss = lambda q, k, v: f(q, k, v).astype(jnp.float32).sum()
+  grad_targets = _targets(_lowered(jax.grad(loss, (0, 1, 2)), q, k, v))
+  assert "jax_padsafe_bwd_aux" in grad_targets and "jax_padsafe_bwd" not in grad_targets
 
 
 def test_xla_never_uses_kernels(kernels_built):

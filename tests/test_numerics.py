@@ -9,8 +9,9 @@
   if Delta agrees with the probabilities and dP the backward recomputes).
 
 Each case runs the whole contract (``helpers.check_problem``): every result against the float64
-oracle with the accuracy rule, exact zeros, bitwise poison invariance.  The kernels take no bias yet:
-those cases skip on ``impl="cute"``, as in ``test_contract``.
+oracle with the accuracy rule, exact zeros, bitwise poison invariance.  On ``impl="cute"`` the bias
+cases run on the kernels' aux variants (their forward keeps the row max and log-sum apart for the
+backward); a combination the kernels do not take skips, as in ``test_contract``.
 """
 
 import jax

@@ -104,9 +104,9 @@ def test_batch_head_sharded_padded(case):
   dtype = jnp.float32
 
   inputs = poisoned_inputs(p, dtype, "zero", rng, d_out, d_lse)
-  args = inputs[:3] + [None] + inputs[3:]
+  args = inputs[:3] + [None, None] + inputs[3:]  # no bias, no mask
   placed = [None if a is None else place(a, mesh, s)
-            for a, s in zip(args, (x, x, x, None, x, lse))]
+            for a, s in zip(args, (x, x, x, None, None, x, lse))]
   compiled = jax.jit(runner).lower(*placed).compile()
   assert collectives(compiled.as_text()) == [], "batch/head-sharded attention must not communicate"
   forward_only = jax.jit(lambda q, k, v: jax_padsafe.dot_product_attention(
@@ -115,9 +115,9 @@ def test_batch_head_sharded_padded(case):
 
   def run(poison):
     inp = poisoned_inputs(p, dtype, poison, rng, d_out, d_lse)
-    args = inp[:3] + [None] + inp[3:]
+    args = inp[:3] + [None, None] + inp[3:]
     res = compiled(*[None if a is None else place(a, mesh, s)
-                     for a, s in zip(args, (x, x, x, None, x, lse))])
+                     for a, s in zip(args, (x, x, x, None, None, x, lse))])
     assert res["out"].sharding.spec[:3] == ("data", None, "model")
     return {k: np.asarray(v) for k, v in res.items()}
 
@@ -301,6 +301,72 @@ def test_partitioned_runs_forward_and_backward(heads):
     assert collectives(hlo) == [], "whole-group head sharding must run shard-local"
   else:
     assert "all-reduce" not in collectives(hlo), "MQA dK/dV must not be partial sums"
+  got = compiled(*[place(a, mesh, sp) for a, sp in zip(args, specs)])
+  for name, a, e in zip(("dq", "dk", "dv"), got, expected):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def _standin_aux_forward(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range, col_range, *,
+                         has_mask, has_bias, **static):
+  """Pure-JAX stand-in with the aux kernels' packed signature (padded layout: sequence b at rows b*T)."""
+  del cu_k, tile_map, row_range, col_range, static
+  b = used_q.shape[0]
+  t, s = q.shape[0] // b, k.shape[0] // b
+  rows = lambda x, l: x.reshape((b, l) + x.shape[1:])  # noqa: E731
+  o, lse = jax_padsafe.dot_product_attention(
+      rows(q, t), rows(k, s), rows(v, s), bias if has_bias else None, mask=mask if has_mask else None,
+      query_seq_lengths=used_q, key_value_seq_lengths=used_k, implementation="xla", return_lse=True)
+  lse_rows = jnp.transpose(lse, (1, 0, 2)).reshape(lse.shape[1], -1)
+  return o.reshape(q.shape), lse_rows, lse_rows + 1.0, lse_rows * 2.0
+
+
+def _standin_aux_backward(q, k, v, o, lse, do, dlse, cu_q, cu_k, used_q, used_k, mask, bias, tile_map,
+                          row_range, col_range, row_max, log_sum, *, has_mask, has_bias, **static):
+  """A stand-in of the aux backward's signature: the VJP of the stand-in forward (the statistics unused)."""
+  del o, lse, dlse, row_max, log_sum
+  f = lambda q, k, v: _standin_aux_forward(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_map,  # noqa
+                                           row_range, col_range, has_mask=has_mask, has_bias=has_bias)[0]
+  _, vjp = jax.vjp(f, q, k, v)
+  return vjp(do)
+
+
+def test_partitioned_runs_aux_forward_and_backward():
+  """Masks and biases on the kernels' route: batch- and head-sharded calls run shard-local, a mask that varies
+  per sequence splits with the batch, a bias shared by the batch but given per head splits with the heads."""
+  rng = np.random.default_rng(47)
+  mesh = make_mesh((2, 2), ("data", "model"))
+  b, t, s, n, kh, h = 4, 16, 20, 8, 2, 8
+  mk = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+  q, k, v, do = mk(b, t, n, h), mk(b, s, kh, h), mk(b, s, kh, h), mk(b, t, n, h)
+  dl = mk(b, n, t)
+  mask = jnp.asarray(rng.random((b, 1, t, s)) < 0.8)
+  bias = mk(1, n, t, s)
+  from jax_padsafe._backends.cute import aux as aux_ops
+  ops = aux_ops.operands(q, bias, mask)
+  lens_q, lens_k = jnp.array([16, 5, 0, 9], jnp.int32), jnp.array([20, 3, 7, 0], jnp.int32)
+  zero = jnp.zeros((b, 1), jnp.int32)
+  runs = (zero, lens_q[:, None], zero, lens_k[:, None])
+  static = dict(_STATIC, has_mask=True, has_bias=True)
+  fwd = _partitioning.packed_to_runs_aux(_standin_aux_forward)
+  bwd = _partitioning.packed_backward_to_runs_aux(_standin_aux_backward)
+  aux_args = tuple(ops[:5])
+  expected = fwd(q, k, v, *runs, *aux_args, **static)
+  qs, kvs, ls, rs = P("data", None, "model"), P("data", None, "model"), P("data", "model"), P("data")
+  aux_specs = (P("data"), P(None, "model"), P("data"), P("data"), P("data"))
+  fn = _partitioning.partition_runs_forward_aux(fwd)
+  args, specs = (q, k, v) + runs + aux_args, (qs, kvs, kvs) + (rs,) * 4 + aux_specs
+  compiled, hlo = compile_for(lambda *a: fn(*a, **static), mesh, args, specs)
+  assert collectives(hlo) == [], "batch- and head-sharded masks and biases must run shard-local"
+  got = compiled(*[place(a, mesh, sp) for a, sp in zip(args, specs)])
+  for a, e in zip(got, expected):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6, atol=1e-6)
+  o, lse, row_max, log_sum = expected
+  expected = bwd(q, k, v, o, lse, do, dl, *runs, *aux_args, row_max, log_sum, **static)
+  fn = _partitioning.partition_runs_backward_aux(bwd)
+  args = (q, k, v, o, lse, do, dl) + runs + aux_args + (row_max, log_sum)
+  specs = (qs, kvs, kvs, qs, ls, qs, ls) + (rs,) * 4 + aux_specs + (ls, ls)
+  compiled, hlo = compile_for(lambda *a: fn(*a, **static), mesh, args, specs)
+  assert collectives(hlo) == [], "whole-group head sharding must run shard-local"
   got = compiled(*[place(a, mesh, sp) for a, sp in zip(args, specs)])
   for name, a, e in zip(("dq", "dk", "dv"), got, expected):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5, err_msg=name)

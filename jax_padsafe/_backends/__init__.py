@@ -15,6 +15,7 @@ support the call, and is the pure-JAX blockwise backward otherwise.
 from __future__ import annotations
 
 from jax_padsafe._backends import xla
+from jax_padsafe._backends.cute import aux as cute_aux
 from jax_padsafe._backends.cute import backend as cute
 from jax_padsafe._backends.cute import library
 from jax_padsafe._core.backend import Backend
@@ -32,15 +33,18 @@ def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, pr
 
 def _call_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, problem=None):
   """Why the kernels cannot run this call, whatever the library (the default build matrix without one)."""
-  if mask is not None:
-    return "a boolean `mask` is only supported by the pure-JAX path (use lengths or segment ids)"
   if problem is not None and problem.unsupported is not None:
     return problem.unsupported
+  aux = bias is not None or mask is not None
+  if aux:
+    reason = ("a mask or bias reaches the kernels through the attention functions only" if problem is None
+              else cute_aux.unsupported_reason(problem, query, bias, mask))
+    if reason is not None:
+      return reason
   n, h = query.shape[-2], query.shape[-1]
   return library.unsupported_reason(
       dtype=query.dtype, head_dim=h, head_dim_v=h, num_heads=n, num_kv_heads=key.shape[-2],
-      causal=spec.causal, window=spec.has_window, softcap=spec.softcap,
-      has_bias=bias is not None)
+      causal=spec.causal, window=spec.has_window, softcap=spec.softcap, aux=aux)
 
 
 def note_fallback(spec: AttentionSpec, query, key, *, bias, mask, problem=None):

@@ -44,7 +44,8 @@ from jax_padsafe._core import problem as canonical
 
 __all__ = ["partition_packed_forward", "partition_padded_forward", "partition_runs_forward",
            "partition_packed_backward", "partition_runs_backward", "packed_to_padded",
-           "packed_to_runs", "packed_backward_to_runs"]
+           "packed_to_runs", "packed_backward_to_runs", "partition_runs_forward_aux",
+           "partition_runs_backward_aux", "packed_to_runs_aux", "packed_backward_to_runs_aux"]
 
 # Per-dimension roles: "b" batch (shardable), "n" query heads, "k" key/value heads, None: never split.
 _PACKED_ARGS = ((None, "n", None), (None, "k", None), (None, "k", None), (None,), (None,),
@@ -72,6 +73,15 @@ _RUNS_BWD_ARGS = (_BQ, _BKV, _BKV, _BQ, _BLSE, _BQ, _BLSE) + (("b", None),) * 4
 _RUNS_BWD_OUTS = (_BQ, _BKV, _BKV)
 _RUNS_BWD_RULE = ("b t (k g) h, b s k h, b s k h, b t (k g) h, b (k g) t, b t (k g) h, b (k g) t, "
                   "b r, b r, b r, b r -> b t (k g) h, b s k h, b s k h")
+
+# The aux kernels (masks and biases as tensors) take, after the runs, operands [Bx, Hx, ., .] whose batch
+# and head dimensions either match the call's (then they split with it) or are 1 (then every shard reads the
+# one copy): their roles and rule terms come from their shapes, call by call (`_aux_terms`).  The forward
+# also returns the exact row statistics, which the backward takes after the aux operands.
+_RUNS_AUX_OUTS = _PADDED_OUTS + (("b", "n", None),) * 2
+_RUNS_AUX_OUT_RULE = ", b (k g) t, b (k g) t"
+_RUNS_BWD_STATS = (("b", "n", None),) * 2
+_RUNS_BWD_STATS_RULE = ", b (k g) t, b (k g) t"
 
 _HEAD_MODES = ("reshard", "strict")
 
@@ -145,6 +155,43 @@ def packed_backward_to_runs(packed_bwd):
   return padded
 
 
+def packed_to_runs_aux(packed_fn):
+  """:func:`packed_to_runs` for the aux kernels: ``fn(q, k, v, q_start, q_used, k_start, k_used, mask, bias,
+  tile_map, row_range, col_range, **static) -> (o, lse, row_max, log_sum)`` (statistics ``[B, N, T]``); the
+  packed function takes the aux operands after the sequence bounds and returns the statistics ``[N, B*T]``."""
+
+  @functools.wraps(packed_fn)
+  def padded(q, k, v, q_start, q_used, k_start, k_used, *aux, **static):
+    b, t, n, h = q.shape
+    s, nk = k.shape[1], k.shape[2]
+    view = canonical.packed_view(canonical.Runs(q_start, q_used, k_start, k_used), t, s)
+    o, *rows = packed_fn(q.reshape(b * t, n, h), k.reshape(b * s, nk, k.shape[-1]),
+                         v.reshape(b * s, nk, v.shape[-1]), *view, *aux, **static)
+    return (o.reshape(b, t, n, o.shape[-1]), *(_rows_to_batch(x, b, t) for x in rows))
+
+  return padded
+
+
+def packed_backward_to_runs_aux(packed_bwd):
+  """:func:`packed_backward_to_runs` for the aux kernels: the aux operands and the forward's statistics
+  (``[B, N, T]``) follow the runs."""
+
+  @functools.wraps(packed_bwd)
+  def padded(q, k, v, o, lse, do, dlse, q_start, q_used, k_start, k_used, mask, bias, tile_map, row_range,
+             col_range, row_max, log_sum, **static):
+    b, t, n, h = q.shape
+    s = k.shape[1]
+    view = canonical.packed_view(canonical.Runs(q_start, q_used, k_start, k_used), t, s)
+    flat = lambda x, rows: x.reshape((b * rows,) + x.shape[2:])
+    dq, dk, dv = packed_bwd(
+        flat(q, t), flat(k, s), flat(v, s), flat(o, t), _batch_to_rows(lse), flat(do, t),
+        _batch_to_rows(dlse), *view, mask, bias, tile_map, row_range, col_range, _batch_to_rows(row_max),
+        _batch_to_rows(log_sum), **static)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+  return padded
+
+
 def _rows_to_batch(x, b, t):  # [N, B*T] -> [B, N, T]
   return x.reshape(x.shape[0], b, t).transpose(1, 0, 2)
 
@@ -173,25 +220,72 @@ def partition_runs_backward(fn, *, head_sharding: str = "reshard"):
                head_sharding, heads_of=lambda q, k: (q.shape[2], k.shape[2]), sums_over_heads=True)
 
 
+def partition_runs_forward_aux(fn, *, head_sharding: str = "reshard"):
+  """Wrap a runs forward of the aux kernels (:func:`packed_to_runs_aux`) for batch/head sharding: the
+  aux operands split with the call where their batch / head dimension is the call's, else replicate."""
+  return _wrap(fn, _RUNS_ARGS, _RUNS_AUX_OUTS, _RUNS_RULE + _RUNS_AUX_OUT_RULE,
+               _PADDED_REPLICATED + ("r",), head_sharding,
+               heads_of=lambda q, k: (q.shape[2], k.shape[2]), aux_at=len(_RUNS_ARGS))
+
+
+def partition_runs_backward_aux(fn, *, head_sharding: str = "reshard"):
+  """Wrap a runs backward of the aux kernels (:func:`packed_backward_to_runs_aux`) for batch/head
+  sharding (see :func:`partition_runs_backward`)."""
+  return _wrap(fn, _RUNS_BWD_ARGS, _RUNS_BWD_OUTS, _RUNS_BWD_RULE, _PADDED_REPLICATED + ("r",),
+               head_sharding, heads_of=lambda q, k: (q.shape[2], k.shape[2]), sums_over_heads=True,
+               aux_at=len(_RUNS_BWD_ARGS), aux_tail=(_RUNS_BWD_STATS, _RUNS_BWD_STATS_RULE))
+
+
 # --------------------------------------------------------------------------------------------------
 
+def _aux_terms(shapes, b, n):
+  """Roles and rule terms of aux operands ``[Bx, Hx, ., .]`` (Bx in {1, B}, Hx in {1, N}): the batch and
+  head dimensions take the call's factors where they match it, every other dimension a factor of its own
+  that is never split (returned as the third element)."""
+  roles, terms, own = [], [], []
+  for i, shape in enumerate(shapes):
+    names = [f"x{i}{c}" for c in "abcd"]
+    dims = list(names)
+    r = [None] * 4
+    if shape[0] == b:
+      dims[0], r[0] = "b", "b"
+    if shape[1] == n:
+      dims[1], r[1] = "(k g)", "n"
+    own += [nm for nm, d in zip(names, dims) if nm == d]
+    roles.append(tuple(r))
+    terms.append(" ".join(dims))
+  return tuple(roles), "".join(", " + t for t in terms), tuple(own)
+
+
 def _wrap(fn, arg_roles, out_roles, rule, replicated, head_sharding, heads_of,
-          sums_over_heads=False):
+          sums_over_heads=False, aux_at=None, aux_tail=None):
   if head_sharding not in _HEAD_MODES:
     raise ValueError(f"head_sharding must be one of {_HEAD_MODES}, got {head_sharding!r}")
 
   @functools.wraps(fn)
   def wrapped(*args, **static):
-    if len(args) != len(arg_roles):
-      raise TypeError(f"{fn.__name__} takes {len(arg_roles)} array arguments, got {len(args)}")
     args = tuple(jnp.asarray(a) for a in args)
-    for a, roles in zip(args, arg_roles):
+    roles_all, rule_all, replicated_all = arg_roles, rule, replicated
+    if aux_at is not None:
+      # The aux operands (5: mask, bias, block map, row and column ranges), then, for the backward, the
+      # forward's statistics: roles and rule terms from their shapes.
+      n_aux = 5
+      aux_roles, aux_rule, own = _aux_terms([a.shape for a in args[aux_at:aux_at + n_aux]],
+                                            args[0].shape[0], heads_of(args[0], args[1])[0])
+      tail_roles, tail_rule = aux_tail or ((), "")
+      roles_all = arg_roles + aux_roles + tail_roles
+      lhs, rhs = rule.split(" -> ")
+      rule_all = f"{lhs}{aux_rule}{tail_rule} -> {rhs}"
+      replicated_all = replicated + own
+    if len(args) != len(roles_all):
+      raise TypeError(f"{fn.__name__} takes {len(roles_all)} array arguments, got {len(args)}")
+    for a, roles in zip(args, roles_all):
       if a.ndim != len(roles):
         raise ValueError(f"{fn.__name__}: expected an operand of rank {len(roles)}, got {a.shape}")
     n, nk = heads_of(args[0], args[1])
     if nk <= 0 or n % nk:
       raise ValueError(f"{fn.__name__}: query heads ({n}) must be a multiple of key/value heads ({nk})")
-    op = _build(fn, tuple(sorted(static.items())), arg_roles, out_roles, rule, replicated,
+    op = _build(fn, tuple(sorted(static.items())), roles_all, out_roles, rule_all, replicated_all,
                 head_sharding, n // nk, nk == 1, sums_over_heads)
     return op(*args)
 

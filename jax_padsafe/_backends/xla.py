@@ -330,6 +330,17 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
   return dq, dk, dv, dbias
 
 
+def row_stats_from_kernels(o, row_max, log_sum, num_kv_heads) -> RowStats:
+  """:class:`RowStats` from the kernels' exact row statistics (``row_max``, ``log_sum`` ``[B, N, T]``:
+  ``(0, +inf)`` in valid rows without a visible key, zeros in padded rows) and their output ``o``."""
+  b, t, n, _ = o.shape
+  grouped = lambda x: x.astype(_F32).reshape(b, num_kv_heads, n // num_kv_heads, t)  # noqa: E731
+  empty = grouped(log_sum) == jnp.inf
+  m = jnp.where(empty, -jnp.inf, grouped(row_max))
+  log_l = jnp.where(empty, _F32(0), grouped(log_sum))
+  return RowStats(m, log_l, jnp.moveaxis(_group_queries(o.astype(_F32), num_kv_heads), 1, 3))
+
+
 def _reduce_to_bias(ds, bias_shape):
   """Sum ``ds [B, N, T, bk]`` over the axes the bias broadcasts along."""
   axes = tuple(i for i in range(3) if bias_shape[i] == 1)

@@ -2,8 +2,8 @@
 read once per process: the library reads JAX_PADSAFE_SM90 at its first kernel call, XLA its flags at start-up).
 
 * The SM80-class kernel family on Hopper (JAX_PADSAFE_SM90=0; elsewhere it is the default family and the other
-  modules test it): test_forward.py, test_backward.py's packed bf16 matrix (every head dim and feature set), and
-  test_fuzz.py's short draws.
+  modules test it): test_forward.py, test_backward.py's packed bf16 matrix (every head dim and feature set),
+  test_fuzz.py's short draws, and test_masks.py (masks and biases).
 * XLA command buffers (CUDA graphs) with the kernels' custom calls inside: the sm_90a forward and backward at two
   head dims.
 
@@ -23,7 +23,8 @@ GPU_TESTS = "tests/gpu/"
     ["test_forward.py"],
     ["test_backward.py", "-k", "packed_gqa7 and bf16"],
     ["test_fuzz.py", "-k", "not long"],
-], ids=["forward", "backward_bf16", "fuzz_short"])
+    ["test_masks.py"],
+], ids=["forward", "backward_bf16", "fuzz_short", "masks"])
 def test_sm80_class_family_on_hopper(args):
   if not cases.is_hopper():
     pytest.skip("the SM80-class family is the default here: the other modules test it")

@@ -7,6 +7,12 @@ shardable) or the padded layout's :class:`Runs` (batch and heads shardable); eit
 pure-JAX path on non-CUDA platforms, so a jitted program stays portable; with traced segment ids a
 run-time ``lax.cond`` on ``problem.runs_exact`` sends layouts the kernels cannot express to the
 pure-JAX path on CUDA as well.
+
+A mask or bias goes to the kernels' aux variants (``aux``), on the padded layout with lengths, batch
+and head shardable like the other calls (the mask and bias split with the call where their batch /
+head dimension is the call's, else every shard reads the one copy). Their forward also returns the
+exact row statistics (max and log-sum apart), which the backward kernels read; ``dbias`` comes from
+the pure-JAX backward, computed only where it is used (XLA removes it when the bias gets no gradient).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from jax import lax
 
 from jax_padsafe._backends import partitioning as P
 from jax_padsafe._backends import xla
+from jax_padsafe._backends.cute import aux as aux_ops
 from jax_padsafe._backends.cute import backward as cute_backward_ops
 from jax_padsafe._backends.cute import forward as cute_forward_ops
 from jax_padsafe._backends.cute import library
@@ -58,6 +65,8 @@ def _partitioned_kernel(kind: str):
   """
   fwd, bwd = cute_forward_ops.flash_forward, cute_backward_ops.flash_backward
   return {
+      "fwd_aux_runs": lambda: P.partition_runs_forward_aux(P.packed_to_runs_aux(_fwd_aux_packed)),
+      "bwd_aux_runs": lambda: P.partition_runs_backward_aux(P.packed_backward_to_runs_aux(_bwd_aux_packed)),
       "fwd_packed": lambda: P.partition_packed_forward(fwd),
       "fwd_runs": lambda: P.partition_runs_forward(P.packed_to_runs(fwd)),
       "fwd_split_runs": lambda: P.partition_runs_forward(split_kv.split_kv_to_runs(fwd)),
@@ -65,6 +74,25 @@ def _partitioned_kernel(kind: str):
       "bwd_packed": lambda: P.partition_packed_backward(bwd),
       "bwd_runs": lambda: P.partition_runs_backward(P.packed_backward_to_runs(bwd)),
   }[kind]()
+
+
+def _fwd_aux_packed(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range, col_range, *,
+                    has_mask, has_bias, **static):
+  """``flash_forward`` with its aux operands as positional arrays (for the partitioning wrappers)."""
+  ops = aux_ops.AuxOperands(mask, bias, tile_map, row_range, col_range, has_mask, has_bias)
+  return cute_forward_ops.flash_forward(q, k, v, cu_q, cu_k, used_q, used_k, **static, aux=ops)
+
+
+def _bwd_aux_packed(q, k, v, o, lse, do, dlse, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range,
+                    col_range, row_max, log_sum, *, has_mask, has_bias, **static):
+  """``flash_backward`` with its aux operands and statistics as positional arrays."""
+  ops = aux_ops.AuxOperands(mask, bias, tile_map, row_range, col_range, has_mask, has_bias)
+  return cute_backward_ops.flash_backward(q, k, v, o, lse, do, dlse, cu_q, cu_k, used_q, used_k, **static,
+                                          aux=ops, stats=(row_max, log_sum))
+
+
+# Positions of the aux operands ([Bx, ...], Bx in {1, B}) among a kernel call's arguments.
+_AUX_POSITIONS = {"fwd_aux_runs": range(7, 12), "bwd_aux_runs": range(11, 16)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,14 +112,25 @@ def _kernel_call(kind: str, static_items: tuple):
 
   @call.def_vmap
   def call_vmap(axis_size, in_batched, *args):
-    args = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
-            for a, batched in zip(args, in_batched)]
     if kind.endswith("packed"):
+      args = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
+              for a, batched in zip(args, in_batched)]
       out = lax.map(lambda xs: call(*xs), tuple(args))
-    else:
-      fold = lambda x: x.reshape((-1,) + x.shape[2:])
-      out = call(*(fold(a) for a in args))
-      out = tuple(x.reshape((axis_size, -1) + x.shape[1:]) for x in out)
+      return out, (True,) * len(out)
+    aux = _AUX_POSITIONS.get(kind, ())
+    b = args[0].shape[1] if in_batched[0] else args[0].shape[0]
+    folded = []
+    for i, (a, batched) in enumerate(zip(args, in_batched)):
+      if i in aux and not batched and a.shape[0] == 1:
+        folded.append(a)  # a mask or bias shared by every batch row of every mapped problem stays one
+        continue
+      if not batched:
+        a = jnp.broadcast_to(a, (axis_size,) + a.shape)
+      if i in aux:  # [axis, Bx, ...], Bx in {1, B}: the batch dimension first, so that it folds like q
+        a = jnp.broadcast_to(a, (axis_size, b) + a.shape[2:])
+      folded.append(a.reshape((-1,) + a.shape[2:]))
+    out = call(*folded)
+    out = tuple(x.reshape((axis_size, -1) + x.shape[1:]) for x in out)
     return out, (True,) * len(out)
 
   return call
@@ -109,6 +148,14 @@ def _run_kernel_or_fallback(problem, on_cuda, elsewhere, *operands):
 
 def cute_forward(spec, q, k, v, bias, mask, problem):
   """Forward on the GPU kernel for CUDA, the pure-JAX forward elsewhere (same results contract)."""
+  return cute_forward_with_stats(spec, q, k, v, bias, mask, problem)[:2]
+
+
+def cute_forward_with_stats(spec, q, k, v, bias, mask, problem):
+  """``(o, lse, stats)``: ``stats`` is ``None`` without a mask or bias, else the exact row statistics
+  ``(row_max, log_sum)`` ``[B, N, T]`` of the aux kernels (:func:`_aux_forward`)."""
+  if bias is not None or mask is not None:
+    return _aux_forward(spec, q, k, v, bias, mask, problem)
   static = tuple(sorted(_problem_static_args(spec, problem).items()))
   # Few query rows per sequence (decoding) are rewritten first: GQA heads packed into rows, keys split.
   split = split_kv.eligible(spec, problem)
@@ -124,6 +171,29 @@ def cute_forward(spec, q, k, v, bias, mask, problem):
     q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
     return xla.forward(spec, q, k, v, bias, mask, *problem.rows())
 
+  o, lse = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v)
+  return o, lse, None
+
+
+def _aux_forward(spec, q, k, v, bias, mask, problem):
+  """The forward with a mask and/or bias on the aux kernels (padded layout with lengths)."""
+  b, t, n, _ = q.shape
+  ops = aux_ops.operands(q, bias, mask)
+  static = tuple(sorted(dict(_problem_static_args(spec, problem), has_mask=ops.has_mask,
+                             has_bias=ops.has_bias).items()))
+
+  def on_cuda(q, k, v):
+    o, lse, row_max, log_sum = _kernel_call("fwd_aux_runs", static)(q, k, v, *problem.kernel, *ops[:5])
+    return o, lse, (row_max, log_sum)
+
+  def elsewhere(q, k, v):
+    q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
+    o, lse, st = xla.forward_with_stats(spec, q, k, v, bias, mask, *problem.rows())
+    # The kernels' conventions: (0, +inf) in valid rows without a visible key.
+    m, log_l = st.m.reshape(b, n, t), st.log_l.reshape(b, n, t)
+    empty = m == -jnp.inf
+    return o, lse, (jnp.where(empty, 0.0, m), jnp.where(empty, jnp.inf, log_l))
+
   return _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v)
 
 
@@ -137,9 +207,11 @@ def backward_supported(spec: AttentionSpec, q, k) -> bool:
       direction="backward") is None
 
 
-def cute_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse):
+def cute_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats=None):
   """Backward on the GPU kernels (CUDA) where built and supported, else the pure-JAX backward."""
-  if not backward_supported(spec, q, k) or bias is not None or mask is not None:
+  if bias is not None or mask is not None:
+    return _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats)
+  if not backward_supported(spec, q, k):
     return _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse)
   static = tuple(sorted(dict(_problem_static_args(spec, problem),
                              deterministic=spec.deterministic).items()))
@@ -160,14 +232,45 @@ def cute_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse):
   return dq, dk, dv, None
 
 
-def _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse):
+def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
+  """The backward of :func:`_aux_forward`: dQ, dK, dV on the aux kernels from its exact row statistics;
+  dbias (when there is a bias) from the pure-JAX backward, which XLA drops where dbias is unused."""
+  b, t, n, _ = q.shape
+  num_kv = k.shape[2]
+  if stats is None or not library.backward_available() or library.unsupported_reason(
+      dtype=q.dtype, head_dim=q.shape[-1], num_heads=n, num_kv_heads=num_kv, causal=spec.causal,
+      window=spec.has_window, softcap=spec.softcap, aux=True, direction="backward") is not None:
+    return _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse)
+  row_stats = xla.row_stats_from_kernels(o, *stats, num_kv)
+  ops = aux_ops.operands(q, bias, mask)
+  static = tuple(sorted(dict(_problem_static_args(spec, problem), deterministic=spec.deterministic,
+                             has_mask=ops.has_mask, has_bias=ops.has_bias).items()))
+
+  def on_cuda(q, k, v, o, lse, do, dlse):
+    return _kernel_call("bwd_aux_runs", static)(q, k, v, o, lse, do, dlse.astype(jnp.float32), *problem.kernel,
+                                                *ops[:5], *stats)
+
+  def elsewhere(q, k, v, o, lse, do, dlse):
+    return _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, row_stats)[:3]
+
+  do = do.astype(q.dtype)
+  dq, dk, dv = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v, o, lse, do, dlse)
+  dbias = None
+  if bias is not None:
+    dbias = _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, row_stats)[3]
+  return dq, dk, dv, dbias
+
+
+def _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats=None):
   """The pure-JAX backward inside the kernel backend, which gets q/k/v unsanitised (see
   ``Backend.reads_padding_safely``): padded input rows are zeroed first, and the padded rows of
-  the gradients are zeroed after (what the select in front of the pure-JAX path does by its VJP)."""
+  the gradients are zeroed after (what the select in front of the pure-JAX path does by its VJP).
+  ``stats``: :class:`xla.RowStats` where the forward kept them."""
   q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
-  dq, dk, dv, dbias = xla.backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse)
+  dq, dk, dv, dbias = xla.backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse, stats)
   dq, dk, dv = visibility.zero_padded_inputs(dq, dk, dv, problem.q_seg, problem.k_seg)
   return dq, dk, dv, dbias
 
 
-CUTE = Backend("cute", cute_forward, cute_backward, reads_padding_safely=True)
+CUTE = Backend("cute", cute_forward, cute_backward, reads_padding_safely=True,
+               forward_with_stats=cute_forward_with_stats)

@@ -30,8 +30,12 @@ TARGET_NAME = library.BACKWARD_TARGET
 def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *,
                    max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, bottom_right: bool,
                    window_left: int, window_right: int, softcap: float, deterministic: bool = False,
-                   rows_covered: bool = False):
+                   rows_covered: bool = False, aux=None, stats=None):
   """Gradients (dq, dk, dv) of `forward.flash_forward` on the packed layout; see the module docstring.
+
+  ``aux`` and ``stats``: the forward's mask / bias operands and the exact row statistics
+  ``(row_max, log_sum)`` its aux target returned (P is recomputed as ``exp(s - row_max - log_sum)``, exact
+  for any finite bias however large); dbias is not computed here.
 
   `rows_covered=True` promises that cu_seqlens_q/k start at 0, end at total_q/total_k, and have no
   segment longer than max_seqlen_q/k: then the kernels' tiles cover every row, and kernels that zero
@@ -50,7 +54,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, sequse
                     f"{q.dtype}, {k.dtype}, {v.dtype}, {o.dtype}, {do.dtype}")
   reason = library.unsupported_reason(dtype=q.dtype, head_dim=h, num_heads=n, num_kv_heads=kh, causal=causal,
                                       window=(window_left, window_right), softcap=softcap,
-                                      direction="backward")
+                                      aux=aux is not None, direction="backward")
   if reason is not None:
     raise NotImplementedError(reason)
   library.backward_available()  # registers the target when the library is present
@@ -64,8 +68,17 @@ def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, sequse
   if zero_scale:
     q, scale = jnp.zeros_like(q), 1.0
 
+  operands = (q, k, v, o, lse.astype(jnp.float32), do, dlse.astype(jnp.float32),
+              cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+  attrs = {}
+  if aux is not None:
+    if stats is None:
+      raise ValueError("flash_backward: a mask or bias needs the forward's row statistics (stats=)")
+    operands += (aux.mask, aux.bias, aux.tile_map, aux.row_range, aux.col_range,
+                 *(x.astype(jnp.float32) for x in stats))
+    attrs = dict(has_mask=np.int32(aux.has_mask), has_bias=np.int32(aux.has_bias))
   call = jax.ffi.ffi_call(
-      TARGET_NAME,
+      library.BACKWARD_AUX_TARGET if aux is not None else TARGET_NAME,
       (jax.ShapeDtypeStruct((total_q, n, h), q.dtype), jax.ShapeDtypeStruct((total_k, kh, h), q.dtype),
        jax.ShapeDtypeStruct((total_k, kh, h), q.dtype),
        # The Delta workspace, then scratch: the sm90 kernels' compact schedules claim tiles from these
@@ -74,8 +87,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, sequse
       vmap_method="sequential",
   )
   dq, dk, dv, _delta, _tile_counters = call(
-      q, k, v, o, lse.astype(jnp.float32), do, dlse.astype(jnp.float32),
-      cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+      *operands,
       scale=np.float32(scale),
       softcap=np.float32(softcap),
       window_left=library.window_attribute(window_left),
@@ -86,6 +98,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, sequse
       max_seqlen_k=np.int32(max_seqlen_k),
       deterministic=np.int32(bool(deterministic)),
       rows_covered=np.int32(bool(rows_covered)),
+      **attrs,
   )
   if zero_scale:
     dq, dk = jnp.zeros_like(dq), jnp.zeros_like(dk)

@@ -23,8 +23,13 @@ TARGET_NAME = library.FORWARD_TARGET
 
 def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, max_seqlen_q: int,
                   max_seqlen_k: int, scale: float, causal: bool, bottom_right: bool, window_left: int,
-                  window_right: int, softcap: float, rows_covered: bool = False):
+                  window_right: int, softcap: float, rows_covered: bool = False, aux=None):
   """Pad-safe flash-attention forward on the packed layout; see the module docstring.
+
+  ``aux`` (:class:`jax_padsafe._backends.cute.aux.AuxOperands`): a mask and/or bias, for the padded
+  layout's ``cu_seqlens`` (sequence b at rows ``b*T``); the aux target then also returns the exact row
+  statistics ``(row_max, log_sum)`` ``[N, total_q]`` float32 that its backward reads: ``lse = row_max +
+  log_sum`` in valid rows with a visible key, ``(0, +inf)`` in valid rows without one, zeros in padded rows.
 
   `max_seqlen_q` must be >= every segment length cu_seqlens_q[b+1] - cu_seqlens_q[b]: the grid covers
   ceil(max_seqlen_q / block_m) query tiles per sequence, and query rows beyond it are left at 0.
@@ -42,7 +47,7 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, 
     raise TypeError(f"flash_forward: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
   reason = library.unsupported_reason(dtype=q.dtype, head_dim=h, head_dim_v=v.shape[-1], num_heads=n,
                                       num_kv_heads=kh, causal=causal, window=(window_left, window_right),
-                                      softcap=softcap, has_bias=False)
+                                      softcap=softcap, aux=aux is not None)
   if reason is not None:
     raise NotImplementedError(reason)
   library.library_available()  # registers the target when the library is present
@@ -53,15 +58,19 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, 
   elif scale == 0:
     q, scale = jnp.zeros_like(q), 1.0
 
-  call = jax.ffi.ffi_call(
-      TARGET_NAME,
-      # The third result is the kernel's scratch: the tile counter of the sm90 compact schedule.
-      (jax.ShapeDtypeStruct((total_q, n, h), q.dtype), jax.ShapeDtypeStruct((n, total_q), jnp.float32),
-       jax.ShapeDtypeStruct((1,), jnp.int32)),
-      vmap_method="sequential",
-  )
-  o, lse, _ = call(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+  rows = jax.ShapeDtypeStruct((n, total_q), jnp.float32)
+  # The third result is the kernel's scratch: the tile counter of the sm90 compact schedule.
+  results = (jax.ShapeDtypeStruct((total_q, n, h), q.dtype), rows, jax.ShapeDtypeStruct((1,), jnp.int32))
+  operands = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+  attrs = {}
+  if aux is not None:
+    results += (rows, rows)
+    operands += (aux.mask, aux.bias, aux.tile_map, aux.row_range, aux.col_range)
+    attrs = dict(has_mask=np.int32(aux.has_mask), has_bias=np.int32(aux.has_bias))
+  call = jax.ffi.ffi_call(library.FORWARD_AUX_TARGET if aux is not None else TARGET_NAME, results,
+                          vmap_method="sequential")
+  o, lse, _, *stats = call(
+      *operands,
       scale=np.float32(scale),
       softcap=np.float32(softcap),
       window_left=library.window_attribute(window_left),
@@ -70,5 +79,6 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, 
       bottom_right=np.int32(bool(bottom_right)),
       max_seqlen_q=np.int32(max_seqlen_q),
       rows_covered=np.int32(bool(rows_covered)),
+      **attrs,
   )
-  return o, lse
+  return (o, lse, *stats)

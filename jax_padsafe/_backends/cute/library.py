@@ -9,7 +9,10 @@ it was built for; and ``jps_ffi_api_version(&major, &minor)``: the XLA FFI API i
 Loading checks, in order: the file exists; the dynamic loader accepts it (a glibc too old for it, a
 corrupted file); the running jaxlib serves its FFI API version (registering handlers of a newer
 version would take jax's whole CUDA backend down); it holds both directions' symbols and forward
-kernels. Then it registers the FFI targets ``jax_padsafe_fwd`` and ``jax_padsafe_bwd`` for CUDA.
+kernels. Then it registers the FFI targets ``jax_padsafe_fwd`` and ``jax_padsafe_bwd`` for CUDA, and,
+where the library has them, ``jax_padsafe_fwd_aux`` and ``jax_padsafe_bwd_aux``: the kernel variants
+that take masks and biases as tensors (``jps_<kind>_aux_execute``; ``jps_<kind>_variant_aux(i)`` says
+which table entries they are).
 The first failure is kept as the reason (:func:`unusable_reason`); nothing is registered,
 :func:`library_available` is False, support is judged by the default build matrix (a call still
 lowers, but no GPU executable can be compiled), and :func:`warn_unusable` says so once where jax has
@@ -36,6 +39,8 @@ import jax.numpy as jnp
 LIBRARY_NAME = "libjax_padsafe_kernels.so"
 FORWARD_TARGET = "jax_padsafe_fwd"
 BACKWARD_TARGET = "jax_padsafe_bwd"
+FORWARD_AUX_TARGET = "jax_padsafe_fwd_aux"
+BACKWARD_AUX_TARGET = "jax_padsafe_bwd_aux"
 
 # What the default build (jax_padsafe/kernels/build) provides, forward and backward; used when no
 # library is loaded.
@@ -59,14 +64,17 @@ class KernelLibraryWarning(UserWarning):
 
 class Loaded(NamedTuple):
   """The library as loaded: its handle and the variants ``(arch, dtype code, head_dim, softcap)`` of
-  each direction (``None``: not usable), the file, why it is not used (``None`` when it is) and the
-  XLA FFI API version ``(major, minor)`` it was built against."""
+  each direction (``None``: not usable), the file, why it is not used (``None`` when it is), the
+  XLA FFI API version ``(major, minor)`` it was built against, and the aux variants (masks and
+  biases as tensors; softcap always 0) of each direction whose aux target is registered."""
   lib: object
   forward: tuple | None
   backward: tuple | None
   path: Path | None = None
   reason: str | None = None
   ffi_api: tuple[int, int] | None = None
+  forward_aux: tuple = ()
+  backward_aux: tuple = ()
 
 
 def library_path() -> Path:
@@ -105,12 +113,18 @@ def library_ffi_api_version(lib) -> tuple[int, int] | None:
   return major.value, minor.value
 
 
-def _variants_of(lib, kind: str) -> tuple:
-  """The distinct variants in one direction's table."""
+def _variants_of(lib, kind: str, aux: bool = False) -> tuple:
+  """The distinct variants in one direction's table: those without (``aux`` False) or with the aux
+  arguments (none where the library has no aux target)."""
   count, describe = getattr(lib, f"jps_num_{kind}_variants"), getattr(lib, f"jps_{kind}_variant")
+  is_aux = getattr(lib, f"jps_{kind}_variant_aux", None)
+  if aux and (is_aux is None or not hasattr(lib, f"jps_{kind}_aux_execute")):
+    return ()
   count.restype = ctypes.c_int
   variants = []
   for i in range(count()):
+    if is_aux is not None and bool(is_aux(i) == 1) != aux:
+      continue
     vals = [ctypes.c_int() for _ in range(4)]
     if describe(i, *[ctypes.byref(x) for x in vals]) == 0:
       v = tuple(x.value for x in vals)
@@ -119,12 +133,14 @@ def _variants_of(lib, kind: str) -> tuple:
   return tuple(variants)
 
 
-def _register(lib, kind: str, target: str):
+def _register(lib, kind: str, target: str, execute: str = "execute"):
+  """Registers one FFI target: its kind's initialize handler (which loads the kind's modules, aux
+  variants included) and the ``jps_<kind>_<execute>`` handler."""
   with _lock:
     jax.ffi.register_ffi_target(
         target,
         {"initialize": jax.ffi.pycapsule(getattr(lib, f"jps_{kind}_initialize")),
-         "execute": jax.ffi.pycapsule(getattr(lib, f"jps_{kind}_execute"))},
+         "execute": jax.ffi.pycapsule(getattr(lib, f"jps_{kind}_{execute}"))},
         platform="CUDA",
     )
 
@@ -166,12 +182,17 @@ def _load() -> Loaded:
   forward, backward = (_variants_of(lib, _KINDS[d][0]) for d in ("forward", "backward"))
   if not forward:
     return unusable(f"the kernel library {path} holds no forward kernels (empty variant table)", ffi_api)
+  forward_aux, backward_aux = (_variants_of(lib, _KINDS[d][0], aux=True) for d in ("forward", "backward"))
   try:
     for kind, target in _KINDS.values():
       _register(lib, kind, target)
+    for (kind, _), target, variants in zip(_KINDS.values(), (FORWARD_AUX_TARGET, BACKWARD_AUX_TARGET),
+                                           (forward_aux, backward_aux)):
+      if variants:
+        _register(lib, kind, target, "aux_execute")
   except Exception as e:  # noqa: BLE001 - any registration error leaves the pure-JAX path
     return unusable(f"registering the kernel library's FFI targets failed: {type(e).__name__}: {e}", ffi_api)
-  return Loaded(lib, forward, backward or None, path, None, ffi_api)
+  return Loaded(lib, forward, backward or None, path, None, ffi_api, forward_aux, backward_aux)
 
 
 def loaded() -> Loaded:
@@ -233,8 +254,9 @@ def built_variants(direction: str = "forward"):
 
 
 def unsupported_reason(*, dtype, head_dim, num_heads, num_kv_heads, causal, window, softcap,
-                       head_dim_v=None, has_bias=False, direction: str = "forward"):
-  """None if the kernels of ``direction`` support this static combination, else a sentence why not."""
+                       head_dim_v=None, aux: bool = False, direction: str = "forward"):
+  """None if the kernels of ``direction`` support this static combination, else a sentence why not.
+  ``aux``: the call passes a mask or a bias (the aux variants, built without softcap only)."""
   del causal, window  # every variant has them
   # "the CuTe forward kernel supports ..." / "the CuTe backward kernels support ..."
   what, verb = ("forward kernel", "supports") if direction == "forward" else ("backward kernels", "support")
@@ -243,17 +265,22 @@ def unsupported_reason(*, dtype, head_dim, num_heads, num_kv_heads, causal, wind
     return f"the CuTe {what} {verb} bfloat16 and float16 inputs, not {dt}"
   if head_dim_v is not None and head_dim_v != head_dim:
     return f"the CuTe {what} needs the same head dim for V as for Q/K (got {head_dim} and {head_dim_v})"
-  if has_bias:
-    return f"the CuTe {what} does not support an additive bias"
   if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
     return f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
   if num_heads > 65535:
     return f"the CuTe {what} {verb} at most 65535 query heads"
   if softcap is not None and softcap < 0:
     return "softcap must be >= 0"
+  cap = bool(softcap and softcap > 0)
+  if aux and cap:
+    return f"the CuTe {what} {verb} a mask or bias without softcap only"
   available = library_available() if direction == "forward" else backward_available()
   variants = _variants(direction) if available else None
-  cap = bool(softcap and softcap > 0)
+  if variants is not None and aux:
+    variants = getattr(loaded(), f"{direction}_aux")
+    if not variants:
+      return (f"the kernel library has no {what.split()[0]} kernels for masks and biases "
+              "(built with JPS_AUX=0, or from older sources)")
   if variants is not None:
     code = DTYPE_CODES[dt]
     have = {(h, c) for (_, d, h, c) in variants if d == code}
@@ -261,7 +288,7 @@ def unsupported_reason(*, dtype, head_dim, num_heads, num_kv_heads, causal, wind
       dims = sorted({h for h, c in have if c == cap})
       kernels = "kernels" if direction == "forward" else "backward kernels"
       return (f"the built CuTe {kernels} have no {dt} variant for head dim {head_dim}"
-              f"{' with softcap' if cap else ''} (built: {dims})")
+              f"{' with softcap' if cap else ''}{' with a mask or bias' if aux else ''} (built: {dims})")
   elif head_dim not in DEFAULT_HEAD_DIMS:
     return f"the CuTe {what} {verb} head dims {DEFAULT_HEAD_DIMS}, not {head_dim}"
   return None

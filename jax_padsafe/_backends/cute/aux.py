@@ -1,0 +1,96 @@
+"""Masks and biases for the kernels: their operands in kernel form and the mask's block summary.
+
+The aux kernel variants (``jax_padsafe/kernels/common/aux_scores.py``) read a boolean mask and an
+additive bias ``[Bx, Hx, Tx, S]`` (``Bx`` in {1, B}, ``Hx`` in {1, N}, ``Tx`` in {1, T}: the broadcast
+dimensions stay size 1, nothing of size T x S is materialised) element by element inside the valid
+rectangle only. Before the kernels, :func:`block_summary` reads the mask once and classifies every
+block of ``MAP_ROWS`` queries x ``MAP_COLS`` keys as hidden, mixed or visible, with the first and last
+block holding a visible cell per block row and per block column. The kernels narrow their tile ranges
+to those (a hidden tile at the start or end of a row of tiles is never loaded or computed) and skip the
+mask load and select on visible tiles, so a causal + padding mask costs about what ``is_causal`` plus
+lengths cost. The summary is tiny (``T/32 x S/16`` bytes per (Bx, Hx)); the block sizes divide every
+kernel tile, so one summary serves every kernel and direction.
+
+Poisoned padding in the mask (cells outside the valid rectangle) can only make a block "mixed": more
+work, the same results bitwise (``aux_scores`` explains why).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+MAP_ROWS = 32  # = aux_scores.MAP_ROWS
+MAP_COLS = 16  # = aux_scores.MAP_COLS
+HIDDEN, MIXED, VISIBLE = 0, 1, 2  # = aux_scores.HIDDEN, MIXED, VISIBLE
+
+
+class AuxOperands(NamedTuple):
+  """The aux kernels' operands; an absent mask or bias is a ``(1, 1, 1, 1)`` placeholder."""
+  mask: jax.Array       # bool [Bx, Hx, Tx, S]
+  bias: jax.Array       # q's dtype or float32 [Bx, Hx, Tx, S]
+  tile_map: jax.Array   # uint8 [Bx, Hx, ceil(Tx/32), ceil(S/16)]
+  row_range: jax.Array  # int32 [Bx, Hx, ceil(Tx/32), 2]
+  col_range: jax.Array  # int32 [Bx, Hx, ceil(S/16), 2]
+  has_mask: bool
+  has_bias: bool
+
+
+def unsupported_reason(problem, q, bias, mask) -> str | None:
+  """Why the aux kernels cannot take this call's mask / bias (None: they can)."""
+  if problem.packed or not problem.dense_rows:
+    return ("the CuTe kernels take a mask or bias on the padded layout with lengths only (not with "
+            "segment ids or the packed layout)")
+  n = q.shape[2]
+  for name, x in (("mask", mask), ("bias", bias)):
+    if x is None:
+      continue
+    if x.shape[3] == 1 and problem.max_seqlen_k != 1:
+      return f"the CuTe kernels need the {name} given per key (its last dimension is 1)"
+    if x.shape[1] not in (1, n):
+      return f"the CuTe kernels need the {name}'s head dimension to be 1 or {n}"
+  if bias is not None and bias.dtype not in (q.dtype, jnp.float32):
+    return f"the CuTe kernels take a bias of q's dtype ({q.dtype}) or float32, not {bias.dtype}"
+  return None
+
+
+def block_summary(mask):
+  """``(tile_map, row_range, col_range)`` of a boolean mask ``[Bx, Hx, Tx, S]`` (module docstring).
+
+  One pass over the mask: the padding of the last block row / column counts as neither visible nor
+  hidden (``any`` pads with False, ``all`` with True)."""
+  bx, hx, tx, s = mask.shape
+  mx, nx = -(-tx // MAP_ROWS), -(-s // MAP_COLS)
+  pad = ((0, 0), (0, 0), (0, mx * MAP_ROWS - tx), (0, nx * MAP_COLS - s))
+
+  def blocks(fill):
+    return jnp.pad(mask, pad, constant_values=fill).reshape(bx, hx, mx, MAP_ROWS, nx, MAP_COLS)
+
+  any_visible = jnp.any(blocks(False), axis=(3, 5))
+  all_visible = jnp.all(blocks(True), axis=(3, 5))
+  tile_map = jnp.where(all_visible, VISIBLE, jnp.where(any_visible, MIXED, HIDDEN)).astype(jnp.uint8)
+  cols = jnp.arange(nx, dtype=jnp.int32)
+  rows = jnp.arange(mx, dtype=jnp.int32)[:, None]
+  # Empty block rows get (nx, 0) and empty columns (mx, 0): min / max over several of them stay empty.
+  row_range = jnp.stack([jnp.min(jnp.where(any_visible, cols, nx), axis=3),
+                         jnp.max(jnp.where(any_visible, cols + 1, 0), axis=3)], axis=-1)
+  col_range = jnp.stack([jnp.min(jnp.where(any_visible, rows, mx), axis=2),
+                         jnp.max(jnp.where(any_visible, rows + 1, 0), axis=2)], axis=-1)
+  return tile_map, row_range.astype(jnp.int32), col_range.astype(jnp.int32)
+
+
+def operands(q, bias, mask) -> AuxOperands:
+  """The kernels' aux operands for a call with ``bias`` and/or ``mask`` (rank 4, broadcastable)."""
+  has_mask, has_bias = mask is not None, bias is not None
+  if has_mask:
+    tile_map, row_range, col_range = block_summary(mask)
+  else:
+    mask = jnp.ones((1, 1, 1, 1), jnp.bool_)
+    tile_map = jnp.full((1, 1, 1, 1), VISIBLE, jnp.uint8)
+    row_range = col_range = jnp.zeros((1, 1, 1, 2), jnp.int32)
+  if not has_bias:
+    bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
+  del q
+  return AuxOperands(mask, bias, tile_map, row_range, col_range, has_mask, has_bias)

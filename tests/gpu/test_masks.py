@@ -1,0 +1,143 @@
+"""Boolean masks and additive biases on the kernels (the aux variants), forward and backward with dbias.
+
+Every case runs the whole contract (``helpers.check_problem``): O, lse, dQ, dK, dV (and dbias) against the float64
+oracle with the accuracy rule, exact zeros, and bitwise invariance under poison in every padded region, the mask's
+and bias's cells outside the valid rectangle included (random flips of the mask, NaN / Inf / 1e30 / huge values
+in the bias).  Shapes reach every edge of the loads (odd key counts 1, 7, 127, 129, 1000, every broadcast
+pattern) and of the mask's block summary (hidden tiles at both ends of a tile row, hidden tiles inside it, fully
+visible tiles, rows with no visible key).  ``tests/gpu/test_families.py`` runs this module on the SM80-class
+family too.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_padsafe
+from tests import helpers
+from tests.gpu import cases
+from tests.helpers import random_problem
+
+pytestmark = cases.needs_kernels()
+
+
+def _mask(kind, rng, b, n, t, s, q_len, kv_len):
+  """Masks the way models build them (shapes broadcast over what they do not depend on)."""
+  i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+  if kind == "causal_padding":  # Flax: make_causal_mask & make_attention_mask(padding), [B, 1, T, S]
+    keys = np.arange(s)[None, :] < np.asarray(kv_len)[:, None]
+    return (j <= i)[None, None] & keys[:, None, None, :]
+  if kind == "key_padding":  # [B, 1, 1, S]
+    return (np.arange(s)[None, :] < np.asarray(kv_len)[:, None] - 3)[:, None, None, :]
+  if kind == "random_per_head":  # [B, N, T, S], about 30% hidden
+    return rng.random((b, n, t, s)) < 0.7
+  if kind == "documents":  # block-diagonal documents with a causal mask inside, [1, 1, T, S]: hidden tiles
+    doc_q, doc_k = i // 97, j // 97  # inside each tile row, visible tiles on both sides of them
+    return ((doc_q == doc_k) & (j <= i))[None, None]
+  if kind == "sparse_rows":  # some query rows see nothing, others a few keys far apart, [1, N, T, S]
+    m = rng.random((1, n, t, s)) < 0.02
+    m[:, :, ::5] = False
+    return m
+  raise ValueError(kind)
+
+
+def _bias(kind, rng, b, n, t, s):
+  if kind == "none":
+    return None
+  shape = {"f32_heads": (1, n, t, s), "full": (b, n, t, s), "per_key": (b, 1, 1, s)}[kind]
+  bias = 2.0 * rng.standard_normal(shape)
+  bias[rng.random(shape) < 0.05] = -np.inf  # -inf hides a key exactly like the mask
+  return bias
+
+
+@pytest.mark.parametrize("mask_kind", ["causal_padding", "key_padding", "random_per_head", "documents",
+                                       "sparse_rows"])
+@pytest.mark.parametrize("h", [64, 128], ids=lambda h: f"hd{h}")
+def test_masks(h, mask_kind):
+  rng = np.random.default_rng(h)
+  b, t, s = 2, 300, 333
+  q_len, kv_len = [300, 129], [333, 127]
+  p = random_problem(rng, b=b, t=t, s=s, n=4, k=2, h=h, q_len=q_len, kv_len=kv_len)
+  p.mask = _mask(mask_kind, rng, b, 4, t, s, q_len, kv_len)
+  helpers.check_problem(p, jnp.bfloat16, "cute", seed=h, poisons=("nan", "huge", "-inf"))
+
+
+@pytest.mark.parametrize("bias_kind", ["f32_heads", "full", "per_key"])
+@pytest.mark.parametrize("with_mask", [False, True], ids=["bias", "bias_and_mask"])
+@pytest.mark.parametrize("dtype,h", [("bf16", 64), ("bf16", 128), ("fp16", 256)], ids=["bf16-hd64", "bf16-hd128",
+                                                                                        "fp16-hd256"])
+def test_biases(dtype, h, with_mask, bias_kind):
+  """Biases of float32 and of the input dtype, with dbias (summed over the broadcast dimensions)."""
+  rng = np.random.default_rng(h + 7)
+  b, t, s = 2, 129, 200
+  q_len, kv_len = [129, 70], [200, 1]
+  p = random_problem(rng, b=b, t=t, s=s, n=4, k=2, h=h, q_len=q_len, kv_len=kv_len, causal=with_mask)
+  p.bias = _bias(bias_kind, rng, b, 4, t, s)
+  if with_mask:
+    p.mask = _mask("random_per_head", rng, b, 4, t, s, q_len, kv_len)
+  bias_dtype = jnp.float32 if bias_kind == "f32_heads" else cases.DTYPES[dtype]
+  p.bias = np.asarray(jnp.asarray(p.bias, bias_dtype).astype(jnp.float32))  # representable in bias_dtype
+  helpers.check_problem(p, cases.DTYPES[dtype], "cute", seed=h, poisons=("nan", "1e30"), bias_dtype=bias_dtype)
+
+
+@pytest.mark.parametrize("s", [1, 7, 127, 129, 1000])
+def test_odd_key_counts(s):
+  """Any S: element loads of the mask and bias never straddle a row or the end of the tensor."""
+  rng = np.random.default_rng(s)
+  t = 77
+  p = random_problem(rng, b=3, t=t, s=s, n=2, k=1, h=64, q_len=[77, 0, 40], kv_len=[s, s // 2, max(s - 1, 0)],
+                     causal=True, bottom_right=True)
+  p.mask = rng.random((3, 1, t, s)) < 0.8
+  p.bias = np.asarray(jnp.asarray(rng.standard_normal((1, 2, t, s)), jnp.bfloat16).astype(jnp.float32))
+  helpers.check_problem(p, jnp.bfloat16, "cute", seed=s, poisons=("nan", "huge"), bias_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("value", [-1e30, float(np.finfo(np.float32).min)], ids=["1e30", "f32_min"])
+def test_huge_finite_bias(value):
+  """A finite bias however large is added, not a mask: rows whose every key carries it are a softmax over those
+  keys in the forward and the backward (the kernels keep the row max and log-sum apart)."""
+  rng = np.random.default_rng(3)
+  b, t, s = 2, 130, 140
+  p = random_problem(rng, b=b, t=t, s=s, n=4, k=2, h=128, q_len=[130, 60], kv_len=[140, 90], causal=True,
+                     bottom_right=True)
+  shape = (b, 4, t, s)
+  kind = rng.integers(0, 3, size=shape[:3])[..., None]
+  bias = np.where(kind == 0, value, np.where((kind == 1) & (rng.random(shape) < 0.5), value,
+                                             0.5 * rng.standard_normal(shape)))
+  p.bias = bias
+  helpers.check_problem(p, jnp.bfloat16, "cute", seed=3, poisons=("nan",))
+
+
+def test_lowers_to_aux_kernels_forward_and_backward():
+  """The calls above run on the kernels both ways (no silent pure-JAX backward), and dbias work appears only
+  when the bias is differentiated."""
+  q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, 80, 2, 64), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((1, 4, 64, 80), jnp.float32)
+  mask = jax.ShapeDtypeStruct((2, 1, 64, 80), jnp.bool_)
+
+  def loss(q, k, v, bias, mask):
+    return jax_padsafe.dot_product_attention(q, k, v, bias, mask=mask, implementation="cute").astype(
+        jnp.float32).sum()
+
+  def targets(f):
+    return re.findall(r"custom_call_target=\"(\w+)\"", jax.jit(f).lower(q, k, k, bias, mask).as_text("hlo"))
+
+  fwd = targets(loss)
+  assert fwd.count("jax_padsafe_fwd_aux") == 1
+  grads = targets(jax.grad(loss, (0, 1, 2)))
+  assert "jax_padsafe_fwd_aux" in grads and "jax_padsafe_bwd_aux" in grads
+
+
+def test_mask_costs_what_lengths_cost_in_tiles():
+  """A causal + key-padding mask gives the same results as is_causal with lengths (to the oracle's rule, not
+  bitwise: the aux kernels form scores in natural units), here on a size where most tiles are skipped."""
+  rng = np.random.default_rng(11)
+  b, t, s = 2, 1024, 1024
+  q_len, kv_len = [1024, 1000], [1024, 700]
+  p = random_problem(rng, b=b, t=t, s=s, n=2, k=1, h=128, q_len=q_len, kv_len=kv_len)
+  p.mask = _mask("causal_padding", rng, b, 2, t, s, q_len, kv_len)
+  helpers.check_problem(p, jnp.bfloat16, "cute", seed=11, poisons=("nan",))
