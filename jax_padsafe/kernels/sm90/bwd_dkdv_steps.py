@@ -159,8 +159,10 @@ class DKDVSteps:
                 # Shared-memory reads of the row statistics before the waits, so their latency hides under the
                 # GEMMs (Nsight Compute on an H100: read after the wait, the exp2's FFMA stalled on them).  With
                 # softcap they stay after the waits: that kernel spills either way (ptxas 152 B of stack, early
-                # or late), and early reads were not timed there.
-                early_stats = not self.has_softcap
+                # or late), and early reads were not timed there.  The aux variant reads them after its scores
+                # (below): held through aux_scores.scores, lse2 and m (2 x 16 registers) made ptxas spill inside
+                # the step (208 B at hd128, sm_90a), and 28 B outside it when read after.
+                early_stats = not self.has_softcap and aux_tile is None
                 if cutlass.const_expr(early_stats):
                     for x in cutlass.range_constexpr(n_cols):
                         lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
@@ -168,13 +170,11 @@ class DKDVSteps:
                 need = bounds.tile_needs_mask(n_step, m_block, BM, BN, q_len, k_len, off, left, right)
                 cls = None
                 if cutlass.const_expr(view is not None):
-                    # Aux (no softcap, so the reads are early): m, and the tile's mask class (its map loads run
-                    # under the GEMMs; every lane of each warp takes part, as tile_class needs).
-                    for x in cutlass.range_constexpr(n_cols):
-                        row_max[x] = sStat[cS_mn[0, x][1], 2, par, wg]
+                    # Aux: the tile's mask class (its map loads run under the GEMMs; every lane of each warp takes
+                    # part, as tile_class needs).
                     cls = aux_scores.tile_class(view, m_block, n_step, BM, BN)
                 warpgroup.wait_group(1)
-                if cutlass.const_expr(not early_stats):
+                if cutlass.const_expr(not early_stats and view is None):
                     for x in cutlass.range_constexpr(n_cols):
                         lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
                 s_mn = masking.acc_mn_view_sm90(acc_S)
@@ -188,8 +188,12 @@ class DKDVSteps:
                                         need, 1, self.has_softcap)
                 else:
                     # Natural-unit scores with the mask (-inf) and the bias, then P^T from m and ln l; the
-                    # visibility rule applies after, inside probs_exact, as in the plain kernel.
+                    # visibility rule applies after, inside probs_exact, as in the plain kernel.  ln l * log2 e
+                    # and m are read only now (register pressure, see early_stats).
                     aux_scores.scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, score_mul, cls, 1)
+                    for x in cutlass.range_constexpr(n_cols):
+                        lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
+                        row_max[x] = sStat[cS_mn[0, x][1], 2, par, wg]
                     bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m0, n0_step, k_len, off, left, right, need, 1)
                 rP.store(acc_S.load().to(dt))
                 if cutlass.const_expr(early_stats):
@@ -291,13 +295,13 @@ class DKDVSteps:
         if wg == 0:
             sc.gemm(mma_s0, mma_s, acc_X, tSrK, tSrQ[None, None, None, stage], True)
             need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
-            for x in cutlass.range_constexpr(n_cols):
-                lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
             cls = None
-            if cutlass.const_expr(view is not None):
-                # Every lane of warpgroup 0's warps (tile_class votes per warp).
+            if cutlass.const_expr(view is None):
                 for x in cutlass.range_constexpr(n_cols):
-                    row_max[x] = sStat[cS_mn[0, x][1], 2, par, wg]
+                    lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
+            else:
+                # Every lane of warpgroup 0's warps (tile_class votes per warp).  The row statistics are read
+                # after the scores, as in `consume` (hd256: 88 B of spills when held through them, none after).
                 cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
             warpgroup.wait_group(0)
             if cutlass.const_expr(self.has_softcap):
@@ -322,6 +326,9 @@ class DKDVSteps:
                                                 right, score_mul, cap_mul, need, 1, False)
                 else:
                     aux_scores.scores(x_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, score_mul, cls, 1)
+                    for x in cutlass.range_constexpr(n_cols):
+                        lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
+                        row_max[x] = sStat[cS_mn[0, x][1], 2, par, wg]
                     bwd_scores.probs_exact(x_mn, cS_mn, row_max, lse2, m_block * BM, n_block * BN, k_len, off, left,
                                            right, need, 1)
                 cute.copy(copy_px, thr_px.retile(acc_X), thr_px.partition_D(sPx))
