@@ -113,9 +113,37 @@ def test_cancellation(impl, dtype, causal, request):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_cancellation_logits_minus_120(impl, dtype):
+def test_cancellation_logits_minus_120(impl, dtype, request):
   """The same with logits around -120 (through a bias), lse differentiated as well."""
+  if impl == "cute":
+    # The bias runs on the kernels' aux variants, whose backward has the same Delta preprocess: dQ misses
+    # the bound by ~10x (H100, 2026-11-26). Strict, as above.
+    request.applymarker(pytest.mark.xfail(strict=True, reason="backward kernels form Delta from the low-precision output"))
   contract(cancellation_problem(34, True, bias=True), dtype, impl)
+
+
+def test_delta_from_probabilities():
+  """The pure-JAX backward given the kernels' statistics (no float32 output) forms Delta from the P and dP it
+  recomputes: the same gradients, dbias included, as from the float32 output, to float32 rounding."""
+  from jax_padsafe._backends import xla
+  from jax_padsafe._core import problem as canonical
+  from jax_padsafe._core.spec import AttentionSpec
+  rng = np.random.default_rng(36)
+  b, t, s, n, kh, h = 2, 24, 40, 4, 2, 32
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+             for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
+  bias = jnp.asarray(rng.standard_normal((b, n, t, s)), jnp.float32)
+  mask = jnp.asarray(rng.random((b, 1, t, s)) < 0.8)
+  spec = AttentionSpec(scale=0.2, causal=True)
+  prob = canonical.from_padded(spec, b, t, s, "top_left", jnp.array([24, 13]), jnp.array([40, 17]), None, None,
+                               kernel_view=False)
+  o, lse, stats = xla.forward_with_stats(spec, q, k, v, bias, mask, *prob.rows())
+  do, dl = jnp.asarray(rng.standard_normal(o.shape), jnp.float32), jnp.asarray(rng.standard_normal(lse.shape),
+                                                                                jnp.float32)
+  with_o = xla.backward(spec, q, k, v, bias, mask, *prob.rows(), o, lse, do, dl, stats)
+  from_p = xla.backward(spec, q, k, v, bias, mask, *prob.rows(), o, lse, do, dl, stats._replace(o=None))
+  for name, a, e in zip(("dq", "dk", "dv", "dbias"), from_p, with_o):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-4, atol=2e-5, err_msg=name)
 
 
 def _dots(jaxpr):

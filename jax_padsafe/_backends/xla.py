@@ -64,10 +64,11 @@ class RowStats(NamedTuple):
   finfo.min), so ``exp(s - lse)`` would give 1 where the softmax is ``1 / l``; ``exp((s - m) -
   log_l)`` is exact to rounding for any finite ``m``.  Delta = rowsum(dO * O) is formed from the
   float32 output, not the one rounded to the input dtype (dQ's remaining mismatch, from P rounded
-  for its product with V, is corrected in :func:`backward`)."""
+  for its product with V, is corrected in :func:`backward`); ``o`` None (the kernels' statistics,
+  :func:`row_stats_from_kernels`): Delta = rowsum(P * dP) from the recomputed P and dP."""
   m: jax.Array
   log_l: jax.Array
-  o: jax.Array
+  o: jax.Array | None
 
 
 def _explicit_sharding(x):
@@ -264,16 +265,27 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
   # (they contribute nothing; their max is -inf and must not be subtracted from anything).
   has_key = (m != -jnp.inf) & grouped(jnp.broadcast_to(q_valid[:, None, :], (b, n, t)))
   dog = _group_queries(do, num_kv_heads)                                      # [B, T, K, G, Hv]
-  delta = jnp.sum(jnp.moveaxis(dog.astype(_F32), 1, 3) * o32, axis=-1)        # [B, K, G, T]
-  dlse = grouped(dlse.astype(_F32))
-  dlse = jnp.where(has_key, dlse, _F32(0))
-  delta = jnp.where(has_key, delta - dlse, _F32(0))
   m_safe = jnp.where(has_key, m, _F32(0))  # a NaN max (NaN in valid data) propagates
   log_l = jnp.where(has_key, log_l, _F32(0))
-
   qg = _group_queries(q, num_kv_heads)
   xs, whole, block, nblk = _key_blocks(spec, k, v, bias, mask, k_seg, k_pos)
   bias_shape = None if bias is None else bias.shape
+  if o32 is None:
+    # Statistics without a float32 output (the kernels' output is in the input dtype, whose rounding
+    # would be all of dbias's error): Delta = rowsum(P * dP) from the P and dP recomputed here, one
+    # more pass over the keys.
+    def delta_step(acc, blk):
+      s, vis, _ = _block_logits(spec, qg, q_seg, q_pos, {**blk, **whole})
+      p = jnp.where(vis, jnp.exp((s - m_safe[..., None]) - log_l[..., None]), _F32(0))
+      dp = _einsum("btkgh,bskh->bkgts", dog, blk["v"], dtype)
+      return acc + jnp.sum(jnp.where(vis, p * dp, _F32(0)), axis=-1), None
+
+    delta, _ = lax.scan(delta_step, jnp.zeros_like(m_safe), xs)
+  else:
+    delta = jnp.sum(jnp.moveaxis(dog.astype(_F32), 1, 3) * o32, axis=-1)      # [B, K, G, T]
+  dlse = grouped(dlse.astype(_F32))
+  dlse = jnp.where(has_key, dlse, _F32(0))
+  delta = jnp.where(has_key, delta - dlse, _F32(0))
 
   # With the whole row in this call (``stats``), dQ is also made to use Delta = rowsum(P * dP) of
   # the P and dP recomputed here: the output's P was rounded to the input dtype for its product with
@@ -332,13 +344,14 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
 
 def row_stats_from_kernels(o, row_max, log_sum, num_kv_heads) -> RowStats:
   """:class:`RowStats` from the kernels' exact row statistics (``row_max``, ``log_sum`` ``[B, N, T]``:
-  ``(0, +inf)`` in valid rows without a visible key, zeros in padded rows) and their output ``o``."""
+  ``(0, +inf)`` in valid rows without a visible key, zeros in padded rows).  Without a float32 output
+  (``o32`` None) :func:`backward` forms Delta from the probabilities it recomputes."""
   b, t, n, _ = o.shape
   grouped = lambda x: x.astype(_F32).reshape(b, num_kv_heads, n // num_kv_heads, t)  # noqa: E731
   empty = grouped(log_sum) == jnp.inf
   m = jnp.where(empty, -jnp.inf, grouped(row_max))
   log_l = jnp.where(empty, _F32(0), grouped(log_sum))
-  return RowStats(m, log_l, jnp.moveaxis(_group_queries(o.astype(_F32), num_kv_heads), 1, 3))
+  return RowStats(m, log_l, None)
 
 
 def _reduce_to_bias(ds, bias_shape):
