@@ -3,7 +3,7 @@
 Three ways in, from least to most change to existing code:
 
 1. ``nn.MultiHeadDotProductAttention(..., attention_fn=jax_padsafe.flax_linen.attention_fn)``: the
-   one-line swap. Takes linen's boolean ``mask`` (pure-JAX path; a mask cannot tell padding from
+   one-line swap. Takes linen's boolean ``mask`` (on the kernels; a mask cannot tell padding from
    masked keys, so NaN in masked-out keys/values can still reach valid rows).
 2. ``attention_fn=make_attention_fn(query_seq_lengths=..., key_value_seq_lengths=..., is_causal=True)``:
    declares the padding, so the pad-safety contract holds, and lengths + causal + window + softcap
@@ -57,9 +57,9 @@ def make_attention_fn(*, query_seq_lengths=None, key_value_seq_lengths=None,
                                                       key_value_seq_lengths=lens,
                                                       is_causal=True))(x)
 
-  Fast GPU kernels: lengths, causal (both alignments), window, softcap, GQA. A ``mask`` passed by
-  the calling module (e.g. linen's ``decode=True`` cache mask), ``bias`` and segment ids run on the
-  pure-JAX path.
+  Fast GPU kernels: lengths, causal (both alignments), window, softcap, GQA, and a ``mask`` or
+  ``bias`` passed by the calling module (e.g. linen's causal and padding masks, its ``decode=True``
+  cache mask) without segment ids or softcap (``dbias`` runs on the pure-JAX path).
   """
   options = dict(is_causal=is_causal, causal_alignment=causal_alignment,
                  local_window_size=local_window_size, softcap=softcap, scale=scale,

@@ -63,13 +63,20 @@ def block_summary(mask):
   hidden (``any`` pads with False, ``all`` with True)."""
   bx, hx, tx, s = mask.shape
   mx, nx = -(-tx // MAP_ROWS), -(-s // MAP_COLS)
-  pad = ((0, 0), (0, 0), (0, mx * MAP_ROWS - tx), (0, nx * MAP_COLS - s))
 
-  def blocks(fill):
-    return jnp.pad(mask, pad, constant_values=fill).reshape(bx, hx, mx, MAP_ROWS, nx, MAP_COLS)
+  def blocks(reduce, fill):
+    # Keys first (the contiguous axis), then rows: two reductions XLA streams at memory speed, where one
+    # over a 6-D view's axes (3, 5) measured ~8x slower (H100: 0.215 ms for a [4, 1, 4096, 4096] mask).
+    x = mask
+    if s % MAP_COLS:
+      x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, nx * MAP_COLS - s)), constant_values=fill)
+    x = reduce(x.reshape(bx, hx, tx, nx, MAP_COLS), axis=4)
+    if tx % MAP_ROWS:
+      x = jnp.pad(x, ((0, 0), (0, 0), (0, mx * MAP_ROWS - tx), (0, 0)), constant_values=fill)
+    return reduce(x.reshape(bx, hx, mx, MAP_ROWS, nx), axis=3)
 
-  any_visible = jnp.any(blocks(False), axis=(3, 5))
-  all_visible = jnp.all(blocks(True), axis=(3, 5))
+  any_visible = blocks(jnp.any, False)
+  all_visible = blocks(jnp.all, True)
   tile_map = jnp.where(all_visible, VISIBLE, jnp.where(any_visible, MIXED, HIDDEN)).astype(jnp.uint8)
   cols = jnp.arange(nx, dtype=jnp.int32)
   rows = jnp.arange(mx, dtype=jnp.int32)[:, None]

@@ -12,10 +12,10 @@ A tensor that is absent is a (1, 1, 1, 1) placeholder with its flag clear.  Broa
 Hx in {1, K, N} (per query head, per key/value head, or shared), Tx in {1, T}; the element of (b, head, i, j)
 is [min(b, Bx - 1), head // (N // Hx), min(i, Tx - 1), j].
 
-Pad safety: a mask or bias element is read only for i < q_len and j < k_len (the valid rectangle, inside the
-tensor since q_len <= T and k_len <= S), one element per load (no vector load can straddle a row or the end
-of the tensor at any S or alignment).  Everything outside the rectangle is hidden by the visibility mask,
-with selects.  The block summary is computed over the whole tensor, padding included: a poisoned padding
+Pad safety: every mask or bias load reads a cell of the valid rectangle (i < q_len, j < k_len: the pair
+itself, or for a pair outside the rectangle the nearest cell inside, whose value a select then discards),
+one element per load (no vector load can straddle a row or the end of the tensor at any S or alignment).
+Everything outside the rectangle is hidden by the visibility mask, with selects.  The block summary is computed over the whole tensor, padding included: a poisoned padding
 cell can only turn a HIDDEN or VISIBLE block into MIXED (more work, the same values bitwise: a block whose
 every pair is hidden contributes exact zeros and leaves the softmax state unchanged).
 """
@@ -155,15 +155,46 @@ def query_tiles(v: AuxView, n_block: cutlass.Int32, block_m: cutlass.Constexpr, 
 
 
 @cute.jit
-def bias_at(v: AuxView, i: cutlass.Int32, j: cutlass.Int32) -> cutlass.Float32:
-    """The bias of valid pair (i, j) as float32 (0 without a bias)."""
-    r = cutlass.min(i, cute.size(v.bias32.shape[0]) - 1)
-    b = cutlass.Float32(0.0)
-    if (v.flags & FLAG_BIAS32) != 0:
-        b = v.bias32[r, j]
-    if (v.flags & FLAG_BIAS) != 0:
-        b = v.bias[cutlass.min(i, cute.size(v.bias.shape[0]) - 1), j].to(cutlass.Float32)
-    return b
+def _pair(c_mn: cute.Tensor, r, c, q0, k0, query_mode: cutlass.Constexpr):
+    """(query, key) of element (r, c) of a score fragment."""
+    i = q0 + c_mn[r, c][0]
+    j = k0 + c_mn[r, c][1]
+    if cutlass.const_expr(query_mode == 1):
+        i = q0 + c_mn[r, c][1]
+        j = k0 + c_mn[r, c][0]
+    return i, j
+
+
+@cute.jit
+def _add_bias(s_mn: cute.Tensor, c_mn: cute.Tensor, bias: cute.Tensor, q0, k0, q_last, k_last, q_len, k_len,
+              query_mode: cutlass.Constexpr):
+    """s += bias[i, j] inside the valid rectangle.  Every load reads the clamped pair (min(i, q_last),
+    min(j, k_last)), a cell of the rectangle, unconditionally, and a select keeps it only for the pair
+    itself: no branch around the loads, so they issue back to back, and none reads padding."""
+    t_last = cute.size(bias.shape[0]) - 1
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            i, j = _pair(c_mn, r, c, q0, k0, query_mode)
+            b = bias[cutlass.min(cutlass.min(i, q_last), t_last), cutlass.min(j, k_last)].to(cutlass.Float32)
+            s = s_mn[r, c]
+            if i < q_len and j < k_len:
+                s = s + b
+            s_mn[r, c] = s
+
+
+@cute.jit
+def _apply_mask(s_mn: cute.Tensor, c_mn: cute.Tensor, mask: cute.Tensor, q0, k0, q_last, k_last, q_len, k_len,
+                query_mode: cutlass.Constexpr):
+    """s = -inf where the mask hides a pair of the valid rectangle (clamped loads as in _add_bias)."""
+    t_last = cute.size(mask.shape[0]) - 1
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            i, j = _pair(c_mn, r, c, q0, k0, query_mode)
+            hidden = mask[cutlass.min(cutlass.min(i, q_last), t_last), cutlass.min(j, k_last)] == 0
+            s = s_mn[r, c]
+            if hidden and i < q_len and j < k_len:
+                s = -cutlass.Float32.inf
+            s_mn[r, c] = s
 
 
 @cute.jit
@@ -173,25 +204,22 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
     """In place: raw scores q.k -> natural-unit scores q.k * scale + bias, -inf where the mask hides the pair.
 
     `c_mn` holds the tile-local coordinates matching `s_mn`; `query_mode` 0: queries are rows (query q0 + row,
-    key k0 + col), 1: queries are columns.  Only pairs inside the valid rectangle read the mask or bias; the
-    others keep q.k * scale, and the caller's visibility mask (after this) hides them.  `cls` is the tile's
+    key k0 + col), 1: queries are columns.  Only cells inside the valid rectangle are read; pairs outside it
+    keep q.k * scale, and the caller's visibility mask (after this) hides them.  `cls` is the tile's
     tile_class: HIDDEN sets every pair to -inf without a load, VISIBLE skips the mask."""
-    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            i = q0 + c_mn[r, c][0]
-            j = k0 + c_mn[r, c][1]
-            if cutlass.const_expr(query_mode == 1):
-                i = q0 + c_mn[r, c][1]
-                j = k0 + c_mn[r, c][0]
-            s = s_mn[r, c] * scale
-            # j < the tensor's width as well: the FFI handler checks the shapes against the call, not the
-            # lengths in device memory, so this keeps a load inside the allocation whatever they hold.
-            if i < q_len and j < k_len and j < v.width:
-                if (v.flags & (FLAG_BIAS | FLAG_BIAS32)) != 0:
-                    s = s + bias_at(v, i, j)
-                if cls == MIXED:
-                    if v.mask[cutlass.min(i, cute.size(v.mask.shape[0]) - 1), j] == 0:
-                        s = -cutlass.Float32.inf
-            if cls == HIDDEN:
-                s = -cutlass.Float32.inf
-            s_mn[r, c] = s
+    # The tile-uniform cases as whole-fragment operations: a VISIBLE tile without a bias (most tiles of a
+    # causal or padding mask) costs one multiplication per score, a HIDDEN one a fill.  The key bound
+    # includes the tensor's width: the FFI handler checks shapes against the call, not the lengths in device
+    # memory, so this keeps every load inside the allocation whatever they hold.
+    k_lim = cutlass.min(k_len, v.width)
+    if cls == HIDDEN:
+        s_mn.fill(-cutlass.Float32.inf)
+    else:
+        s_mn.store(s_mn.load() * scale)
+        if q_len > 0 and k_lim > 0:
+            if (v.flags & FLAG_BIAS32) != 0:
+                _add_bias(s_mn, c_mn, v.bias32, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
+            if (v.flags & FLAG_BIAS) != 0:
+                _add_bias(s_mn, c_mn, v.bias, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
+            if cls == MIXED:
+                _apply_mask(s_mn, c_mn, v.mask, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)

@@ -459,10 +459,11 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
             pipe_k.consumer_wait(state)
             acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
             self.gemm_qk(tiled_mma_qk0, tiled_mma_qk, acc_S, tSrQ, tSrK, state.index)
+            cls = self.aux_tile_class(view, m_block, n_max - 1)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
             s_mn = self.transform_and_mask(acc_S, cS_mn, score_mul, cap_mul, n_max - 1, m_block, q_len,
-                                           k_len, off, left, right, view)
+                                           k_len, off, left, right, view, cls)
             softmax.online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul, exact=self.aux)
             rP.store(acc_S.load().to(self.dtype))
             for it in cutlass.range(n_tiles - 1, unroll=1):
@@ -472,6 +473,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
                 pipe_k.consumer_wait(state)
                 acc_S2 = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                 self.gemm_qk(tiled_mma_qk0, tiled_mma_qk, acc_S2, tSrQ, tSrK, state.index)
+                cls2 = self.aux_tile_class(view, m_block, n_cur)
                 if cutlass.const_expr(self.rescale_o_early):
                     softmax.rescale_rows(o_mn, alpha)
                 pipe_v.consumer_wait(state_v)
@@ -482,7 +484,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
                 # Softmax of tile n_cur while P V of tile n_cur + 1 runs; acc_O (being written by
                 # that GEMM) and P are updated only after it completes.
                 s_mn2 = self.transform_and_mask(acc_S2, cS_mn, score_mul, cap_mul, n_cur, m_block, q_len,
-                                                k_len, off, left, right, view)
+                                                k_len, off, left, right, view, cls2)
                 softmax.online_softmax_step_alpha(s_mn2, row_max, row_sum, alpha, mul, exact=self.aux)
                 if cutlass.const_expr(self.pin_pv_wait):
                     sc.wgmma_wait_after(row_sum, opaque_zero, 0)
@@ -586,12 +588,22 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
                               _BAR_WG_BASE + wg)
 
     @cute.jit
+    def aux_tile_class(self, view, m_block: cutlass.Int32, n_block: cutlass.Int32):
+        """The aux variant's class of key tile n_block (aux_scores.tile_class; None otherwise), taken right after
+        the tile's S GEMM is issued: its load of the mask's block map then runs under the GEMM instead of
+        after it."""
+        cls = None
+        if cutlass.const_expr(self.aux):
+            cls = fwd_aux.tile_class(view, m_block, n_block, self.block_m, self.block_n)
+        return cls
+
+    @cute.jit
     def transform_and_mask(self, acc_S: cute.Tensor, cS_mn: cute.Tensor, score_mul: cutlass.Float32,
                            cap_mul: cutlass.Float32, n_block: cutlass.Int32, m_block: cutlass.Int32,
                            q_len: cutlass.Int32, k_len: cutlass.Int32, off: cutlass.Int32, left: cutlass.Int32,
-                           right: cutlass.Int32, view=None):
+                           right: cutlass.Int32, view=None, cls=None):
         """Scores of one tile as the softmax takes them (soft-capped or raw; aux: natural units with bias and
-        mask, `view` the tile's AuxView), -inf where a key is not visible."""
+        mask, `view` the tile's AuxView, `cls` its aux_tile_class), -inf where a key is not visible."""
         BM, BN = self.block_m, self.block_n
         if cutlass.const_expr(self.has_softcap):
             acc_S.store(cute.math.tanh(acc_S.load() * score_mul, fastmath=False) * cap_mul)
@@ -599,7 +611,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         if cutlass.const_expr(self.aux):
             # Bias and mask first (they read only inside the valid rectangle), then the visibility mask as in
             # the plain kernel: pairs outside the rectangle become -inf by select whatever they hold.
-            fwd_aux.tile_scores(s_mn, cS_mn, view, m_block, n_block, BM, BN, q_len, k_len, score_mul)
+            fwd_aux.tile_scores(s_mn, cS_mn, view, cls, m_block, n_block, BM, BN, q_len, k_len, score_mul)
         if bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right):
             masking.apply_visibility_mask(s_mn, cS_mn, m_block * BM, n_block * BN, k_len, off, left, right)
         return s_mn

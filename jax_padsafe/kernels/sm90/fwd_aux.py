@@ -101,13 +101,19 @@ def key_range(aux: FwdAux, present: cutlass.Boolean, batch: cutlass.Int32, head:
 
 
 @cute.jit
-def tile_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, view, m_block: cutlass.Int32, n_block: cutlass.Int32,
-                block_m: cutlass.Constexpr, block_n: cutlass.Constexpr, q_len: cutlass.Int32,
-                k_len: cutlass.Int32, score_mul: cutlass.Float32):
-    """In place: raw q.k of tile (m_block, n_block) -> natural-unit scores with bias and mask (the caller then
-    applies the visibility mask).  Called by every consumer thread (tile_class is warp-collective); the class
-    is the whole query tile's, which covers both consumer warpgroups' rows."""
-    cls = aux_scores.tile_class(view, m_block, n_block, block_m, block_n)
+def tile_class(view, m_block: cutlass.Int32, n_block: cutlass.Int32, block_m: cutlass.Constexpr,
+               block_n: cutlass.Constexpr) -> cutlass.Int32:
+    """aux_scores.tile_class of tile (m_block, n_block).  Called by every consumer thread (it is
+    warp-collective); the class is the whole query tile's, which covers both consumer warpgroups' rows."""
+    return aux_scores.tile_class(view, m_block, n_block, block_m, block_n)
+
+
+@cute.jit
+def tile_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, view, cls: cutlass.Int32, m_block: cutlass.Int32,
+                n_block: cutlass.Int32, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr,
+                q_len: cutlass.Int32, k_len: cutlass.Int32, score_mul: cutlass.Float32):
+    """In place: raw q.k of tile (m_block, n_block) of class `cls` (tile_class) -> natural-unit scores with bias
+    and mask (the caller then applies the visibility mask)."""
     aux_scores.scores(s_mn, c_mn, view, m_block * block_m, n_block * block_n, q_len, k_len, score_mul, cls, 0)
 
 

@@ -1,0 +1,46 @@
+"""The mask's block summary the kernels skip tiles by (``_backends/cute/aux.block_summary``), against a direct
+count per block on random masks of odd sizes: a wrong HIDDEN or VISIBLE entry, or a range that misses a visible
+cell, would make the kernels drop or mis-mask keys."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_padsafe._backends.cute import aux
+
+
+def _direct(mask):
+  bx, hx, tx, s = mask.shape
+  mx, nx = -(-tx // aux.MAP_ROWS), -(-s // aux.MAP_COLS)
+  tile_map = np.zeros((bx, hx, mx, nx), np.uint8)
+  row_range = np.zeros((bx, hx, mx, 2), np.int32)
+  col_range = np.zeros((bx, hx, nx, 2), np.int32)
+  for b in range(bx):
+    for h in range(hx):
+      for r in range(mx):
+        for c in range(nx):
+          cells = mask[b, h, r * aux.MAP_ROWS:(r + 1) * aux.MAP_ROWS, c * aux.MAP_COLS:(c + 1) * aux.MAP_COLS]
+          tile_map[b, h, r, c] = aux.VISIBLE if cells.all() else aux.MIXED if cells.any() else aux.HIDDEN
+      seen = tile_map[b, h] != aux.HIDDEN
+      for r in range(mx):
+        cols = np.nonzero(seen[r])[0]
+        row_range[b, h, r] = (cols.min(), cols.max() + 1) if cols.size else (nx, 0)
+      for c in range(nx):
+        rows = np.nonzero(seen[:, c])[0]
+        col_range[b, h, c] = (rows.min(), rows.max() + 1) if rows.size else (mx, 0)
+  return tile_map, row_range, col_range
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 100, 70), (1, 3, 1, 33), (1, 1, 64, 16), (3, 2, 37, 129)])
+@pytest.mark.parametrize("kind", ["random", "causal", "sparse"])
+def test_block_summary(shape, kind):
+  rng = np.random.default_rng(sum(shape))
+  if kind == "random":
+    mask = rng.random(shape) < 0.7
+  elif kind == "causal":
+    mask = np.broadcast_to(np.tril(np.ones(shape[2:], bool), k=shape[3] - shape[2]), shape)
+  else:
+    mask = rng.random(shape) < 0.01
+  got = aux.block_summary(jnp.asarray(mask))
+  for name, a, e in zip(("tile_map", "row_range", "col_range"), got, _direct(np.asarray(mask))):
+    np.testing.assert_array_equal(np.asarray(a), e, err_msg=name)
