@@ -88,11 +88,12 @@ def block_summary(mask):
   return tile_map, row_range.astype(jnp.int32), col_range.astype(jnp.int32)
 
 
-def operands(q, bias, mask) -> AuxOperands:
-  """The kernels' aux operands for a call with ``bias`` and/or ``mask`` (rank 4, broadcastable)."""
+def operands(q, bias, mask, summary=()) -> AuxOperands:
+  """The kernels' aux operands for a call with ``bias`` and/or ``mask`` (rank 4, broadcastable);
+  ``summary``: the mask's :func:`block_summary` where the forward made it already."""
   has_mask, has_bias = mask is not None, bias is not None
   if has_mask:
-    tile_map, row_range, col_range = block_summary(mask)
+    tile_map, row_range, col_range = summary or block_summary(mask)
   else:
     mask = jnp.ones((1, 1, 1, 1), jnp.bool_)
     tile_map = jnp.full((1, 1, 1, 1), VISIBLE, jnp.uint8)

@@ -153,7 +153,8 @@ def cute_forward(spec, q, k, v, bias, mask, problem):
 
 def cute_forward_with_stats(spec, q, k, v, bias, mask, problem):
   """``(o, lse, stats)``: ``stats`` is ``None`` without a mask or bias, else the exact row statistics
-  ``(row_max, log_sum)`` ``[B, N, T]`` of the aux kernels (:func:`_aux_forward`)."""
+  ``(row_max, log_sum)`` ``[B, N, T]`` of the aux kernels and the mask's block summary
+  (:func:`_aux_forward`)."""
   if bias is not None or mask is not None:
     return _aux_forward(spec, q, k, v, bias, mask, problem)
   static = tuple(sorted(_problem_static_args(spec, problem).items()))
@@ -194,7 +195,9 @@ def _aux_forward(spec, q, k, v, bias, mask, problem):
     empty = m == -jnp.inf
     return o, lse, (jnp.where(empty, 0.0, m), jnp.where(empty, jnp.inf, log_l))
 
-  return _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v)
+  o, lse, stats = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v)
+  # The mask's block summary travels with the statistics, so that the backward does not recompute it.
+  return o, lse, stats + (ops.tile_map, ops.row_range, ops.col_range)
 
 
 def backward_supported(spec: AttentionSpec, q, k) -> bool:
@@ -241,8 +244,9 @@ def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
       dtype=q.dtype, head_dim=q.shape[-1], num_heads=n, num_kv_heads=num_kv, causal=spec.causal,
       window=spec.has_window, softcap=spec.softcap, aux=True, direction="backward") is not None:
     return _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse)
+  stats, summary = stats[:2], stats[2:]
   row_stats = xla.row_stats_from_kernels(o, *stats, num_kv)
-  ops = aux_ops.operands(q, bias, mask)
+  ops = aux_ops.operands(q, bias, mask, summary=summary)
   static = tuple(sorted(dict(_problem_static_args(spec, problem), deterministic=spec.deterministic,
                              has_mask=ops.has_mask, has_bias=ops.has_bias).items()))
 

@@ -1,5 +1,10 @@
 """Masks and additive biases given as tensors (the kernels' "aux" inputs), and the mask's block summary.
 
+Two kinds of aux variants: "bias" (a bias, with or without a mask) forms natural-unit scores q.k * scale + bias
+(`scores`) with the exact softmax of softmax.py; "mask" (a mask alone) keeps the plain kernels' raw scores and
+exp2-domain softmax and only selects -inf where the mask hides a pair (`mask_scores`), so a tile the mask shows
+whole costs what it costs without a mask.  Both take the same arguments.
+
 The aux variants of the kernels take the padded layout only: sequence b's query i is row i of the mask and
 bias, its key j column j.  Per call (the FFI handler's arguments, `_backends/cute/aux.py` builds them):
   mask      Uint8 (Bx, Hx, Tx, S): 0 hides key j from query i (FLAG_MASK);
@@ -223,3 +228,17 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
                 _add_bias(s_mn, c_mn, v.bias, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
             if cls == MIXED:
                 _apply_mask(s_mn, c_mn, v.mask, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
+
+
+@cute.jit
+def mask_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32,
+                q_len: cutlass.Int32, k_len: cutlass.Int32, cls: cutlass.Int32, query_mode: cutlass.Constexpr):
+    """The mask-only variants' `scores`: raw scores q.k stay raw (the plain kernels' exp2-domain softmax and
+    row statistics apply unchanged), -inf where the mask hides a pair of the valid rectangle; a VISIBLE tile
+    costs nothing, a HIDDEN one a fill."""
+    k_lim = cutlass.min(k_len, v.width)
+    if cls == HIDDEN:
+        s_mn.fill(-cutlass.Float32.inf)
+    elif cls == MIXED:
+        if q_len > 0 and k_lim > 0:
+            _apply_mask(s_mn, c_mn, v.mask, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)

@@ -75,6 +75,24 @@ def finalize(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse:
 
 
 @cute.jit
+def finalize_with_stats(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor,
+                        mul: cutlass.Float32, max_out: cute.Tensor, log_sum: cute.Tensor):
+    """`finalize` (raw scores, exp2 domain: the mask-only aux variants) that also gives the row statistics
+    in natural units, as `finalize_exact` does: max_out = m * mul * ln 2, log_sum = ln l; a row that saw no
+    visible key gets (0, +inf)."""
+    finalize(o_mn, row_max, row_sum, lse, mul)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        l = quad_allreduce(row_sum[r], lambda a, b: a + b)
+        m_r = cutlass.Float32(0.0)
+        ln_l = cutlass.Float32.inf
+        if l != cutlass.Float32(0.0):
+            m_r = row_max[r] * mul * LN2
+            ln_l = cute.math.log2(l, fastmath=False) * LN2
+        max_out[r] = m_r
+        log_sum[r] = ln_l
+
+
+@cute.jit
 def finalize_exact(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor,
                    max_out: cute.Tensor, log_sum: cute.Tensor):
     """`finalize` for natural-unit scores (mul = log2 e, `exact` steps): O /= l, lse = m + ln l, and the
