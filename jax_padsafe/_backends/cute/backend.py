@@ -261,7 +261,8 @@ def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
   dq, dk, dv = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v, o, lse, do, dlse)
   dbias = None
   if bias is not None:
-    dbias = _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, row_stats)[3]
+    qz, kz, vz = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
+    dbias = xla.dbias(spec, qz, kz, vz, bias, mask, *problem.rows(), do, dlse, row_stats)
   return dq, dk, dv, dbias
 
 
