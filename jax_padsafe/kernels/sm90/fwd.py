@@ -37,11 +37,13 @@ O, rows past q_len up to the sequence's slot end (cu_seqlens_q[b+1]) get zeros, 
 q_len writes only zeros, so a partial tile never touches the rows of a neighbouring sequence, and
 where the tiles cover every row (`rows_covered`) the handler skips the memset of O.
 
-The aux variant (`aux=True`, masks and biases as tensors; fwd_aux, common/aux_scores.py) takes the mask, bias,
-bias32, tile map and row-range tensors and writes the row max and ln(row sum) besides lse (mRowMax, mLogSum);
-its scores are in natural units (q.k * scale + bias), its softmax takes exact differences, and each tile's
-key range is narrowed by the mask's block summary.  Mask and bias elements are read one at a time inside the
-valid rectangle only.
+The aux variants (masks and biases as tensors; fwd_aux, common/aux_scores.py), `aux="mask"` or `aux="bias"`,
+take the mask, bias, bias32, tile map and row-range tensors (the same entry for both kinds) and write the row
+max and ln(row sum) in natural units besides lse (mRowMax, mLogSum); each tile's key range is narrowed by the
+mask's block summary.  "bias": natural-unit scores (q.k * scale + bias) and a softmax of exact differences.
+"mask": the plain kernel's raw scores and exp2-domain softmax, with -inf selected where the mask hides a pair,
+so a tile the mask shows whole costs what it costs without a mask.  Mask and bias elements are read one at a
+time inside the valid rectangle only.
 """
 
 import cutlass
@@ -64,7 +66,7 @@ _BAR_WG_BASE = 2  # + consumer warpgroup index: one consumer warpgroup (128 thre
 class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
     """The forward kernel.  Scheduling (which tiles a CTA takes, the compact kernel's queue) is
     `fwd_schedule.FwdTileSchedule`, the producer warp's loads `fwd_producer.FwdProducer`; the consumers'
-    work (softmax, GEMMs, epilogue) is here; the aux variant's entry point and pieces are `fwd_aux`.
+    work (softmax, GEMMs, epilogue) is here; the aux variants' entry point and pieces are `fwd_aux`.
 
     Per head dim (the build's variant table): `prefetch_next_tile`, `pin_pv_wait`, `rescale_o_early`."""
 
@@ -74,13 +76,22 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
     persistent_ctas = 132  # SMs of an H100 SXM / H200; more than a smaller part holds is harmless
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool, *,
-                 prefetch_next_tile: bool, pin_pv_wait: bool, rescale_o_early: bool, aux: bool = False):
+                 prefetch_next_tile: bool, pin_pv_wait: bool, rescale_o_early: bool, aux=False):
         assert head_dim % 32 == 0 and block_m == 128
-        # aux: masks and biases as tensors (fwd_aux); built without softcap only.
+        # aux: masks and biases as tensors (fwd_aux), False or the kind, "mask" or "bias" (True: "bias", the
+        # single aux variant's old spelling); built without softcap only.  Every kind-specific branch below is
+        # a compile-time one, so aux=False compiles to the plain kernel.
+        if aux is True:
+            aux = "bias"
+        if not aux:
+            aux = False  # "" (the build table's no-aux) and None alike: the plain kernel
+        assert aux in (False, "mask", "bias"), aux
         assert not (aux and has_softcap)
         self.aux = aux
+        # "bias": natural-unit scores and the exact softmax; "mask": the plain kernel's scores and softmax.
+        self.aux_exact = aux == "bias"
         if aux:
-            # The aux variant's entry point takes more arguments (the aux ABI) than `__call__`.  cute.compile
+            # The aux variants' entry point takes more arguments (the aux ABI) than `__call__`.  cute.compile
             # resolves a callable object through `obj.__call__`, which finds this instance attribute first; the
             # entry's own parameter names name the exported tensor structs.
             self.__call__ = self.call_aux
@@ -154,7 +165,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
                mTileCounter: cute.Tensor, score_mul: cutlass.Float32, cap_mul: cutlass.Float32,
                window_left: cutlass.Int32, window_right: cutlass.Int32, bottom_right: cutlass.Int32,
                max_seqlen_q: cutlass.Int32, stream: cuda.CUstream, aux_in=None):
-        """The host side of both entries (`aux_in`: the aux variant's fwd_aux.FwdAux, else None)."""
+        """The host side of both entries (`aux_in`: the aux variants' fwd_aux.FwdAux, else None)."""
         dt = self.dtype
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         sQ_layout = sc.smem_layout(dt, BM, HD)
@@ -348,8 +359,9 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         mul = cutlass.Float32(1.0)
         if cutlass.const_expr(raw_scores):
             mul = score_mul
-        if cutlass.const_expr(self.aux):
-            # Natural-unit scores (fwd_aux.tile_scores applies the scale): the softmax's exp2 takes log2 e.
+        if cutlass.const_expr(self.aux_exact):
+            # Natural-unit scores (fwd_aux.tile_scores applies the scale): the softmax's exp2 takes log2 e.  The
+            # mask kind keeps raw scores, so mul stays score_mul (scale * log2 e, as in the plain kernel).
             mul = cutlass.Float32(aux_scores.LOG2_E)
 
         # The wgmma accumulate flag is set once here, never inside staged control flow (a value set in a
@@ -441,7 +453,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max, aux_tile=None,
     ):
         """One present tile: the key tiles [n_min, n_max) (none: O = 0, lse = -inf), then the epilogue.
-        `aux_tile`: the aux variant's (AuxView of the tile, fwd_aux.FwdAux), else None."""
+        `aux_tile`: the aux variants' (AuxView of the tile, fwd_aux.FwdAux), else None."""
         BM, HD = self.block_m, self.head_dim
         view = None
         if cutlass.const_expr(self.aux):
@@ -464,7 +476,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
             pipe_k.consumer_release(state)
             s_mn = self.transform_and_mask(acc_S, cS_mn, score_mul, cap_mul, n_max - 1, m_block, q_len,
                                            k_len, off, left, right, view, cls)
-            softmax.online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul, exact=self.aux)
+            softmax.online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul, exact=self.aux_exact)
             rP.store(acc_S.load().to(self.dtype))
             for it in cutlass.range(n_tiles - 1, unroll=1):
                 n_cur = n_max - 2 - it
@@ -485,7 +497,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
                 # that GEMM) and P are updated only after it completes.
                 s_mn2 = self.transform_and_mask(acc_S2, cS_mn, score_mul, cap_mul, n_cur, m_block, q_len,
                                                 k_len, off, left, right, view, cls2)
-                softmax.online_softmax_step_alpha(s_mn2, row_max, row_sum, alpha, mul, exact=self.aux)
+                softmax.online_softmax_step_alpha(s_mn2, row_max, row_sum, alpha, mul, exact=self.aux_exact)
                 if cutlass.const_expr(self.pin_pv_wait):
                     sc.wgmma_wait_after(row_sum, opaque_zero, 0)
                 warpgroup.wait_group(0)
@@ -509,11 +521,16 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         # ---- epilogue
         lse_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
         if cutlass.const_expr(self.aux):
-            # lse = m + ln l, and m and ln l apart for the backward (a row with no visible key: O = 0, lse = -inf,
-            # m = 0, ln l = +inf).
+            # lse, and the row max and ln(row sum) in natural units apart (a row with no visible key: O = 0,
+            # lse = -inf, m = 0, ln l = +inf), written for the valid rows by both kinds alike.  "bias": lse =
+            # m + ln l from natural-unit scores; "mask": the plain kernel's lse from raw scores, the statistics
+            # converted (m * score_mul * ln 2).
             max_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
             logsum_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-            softmax.finalize_exact(o_mn, row_max, row_sum, lse_rows, max_rows, logsum_rows)
+            if cutlass.const_expr(self.aux_exact):
+                softmax.finalize_exact(o_mn, row_max, row_sum, lse_rows, max_rows, logsum_rows)
+            else:
+                softmax.finalize_with_stats(o_mn, row_max, row_sum, lse_rows, mul, max_rows, logsum_rows)
         else:
             softmax.finalize(o_mn, row_max, row_sum, lse_rows, mul)
         if tidx % 4 == 0:
@@ -589,7 +606,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
 
     @cute.jit
     def aux_tile_class(self, view, m_block: cutlass.Int32, n_block: cutlass.Int32):
-        """The aux variant's class of key tile n_block (aux_scores.tile_class; None otherwise), taken right after
+        """The aux variants' class of key tile n_block (aux_scores.tile_class; None otherwise), taken right after
         the tile's S GEMM is issued: its load of the mask's block map then runs under the GEMM instead of
         after it."""
         cls = None
@@ -602,16 +619,20 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
                            cap_mul: cutlass.Float32, n_block: cutlass.Int32, m_block: cutlass.Int32,
                            q_len: cutlass.Int32, k_len: cutlass.Int32, off: cutlass.Int32, left: cutlass.Int32,
                            right: cutlass.Int32, view=None, cls=None):
-        """Scores of one tile as the softmax takes them (soft-capped or raw; aux: natural units with bias and
-        mask, `view` the tile's AuxView, `cls` its aux_tile_class), -inf where a key is not visible."""
+        """Scores of one tile as the softmax takes them (soft-capped or raw; aux "bias": natural units with bias
+        and mask; aux "mask": raw with the mask; `view` the tile's AuxView, `cls` its aux_tile_class), -inf where
+        a key is not visible."""
         BM, BN = self.block_m, self.block_n
         if cutlass.const_expr(self.has_softcap):
             acc_S.store(cute.math.tanh(acc_S.load() * score_mul, fastmath=False) * cap_mul)
         s_mn = masking.acc_mn_view_sm90(acc_S)
-        if cutlass.const_expr(self.aux):
+        if cutlass.const_expr(self.aux_exact):
             # Bias and mask first (they read only inside the valid rectangle), then the visibility mask as in
             # the plain kernel: pairs outside the rectangle become -inf by select whatever they hold.
             fwd_aux.tile_scores(s_mn, cS_mn, view, cls, m_block, n_block, BM, BN, q_len, k_len, score_mul)
+        if cutlass.const_expr(self.aux == "mask"):
+            # The mask alone on the raw scores (the softmax applies score_mul), then the visibility mask.
+            fwd_aux.tile_mask_scores(s_mn, cS_mn, view, cls, m_block, n_block, BM, BN, q_len, k_len)
         if bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right):
             masking.apply_visibility_mask(s_mn, cS_mn, m_block * BM, n_block * BN, k_len, off, left, right)
         return s_mn

@@ -1,15 +1,18 @@
-"""The Hopper forward's aux variant (`FlashFwdSm90(aux=True)`): masks and biases given as tensors.
+"""The Hopper forward's aux variants (`FlashFwdSm90(aux="mask" | "bias")`): masks and biases given as tensors.
 
 The pieces here are used only where `FlashFwdSm90.aux` is set (every use is behind `cutlass.const_expr`), so
-the plain kernel's code does not change.  What the variant does differently (common/aux_scores.py has the
-tensors' layout, broadcasting and pad-safety rules):
-  * the key-tile range of a query tile is narrowed to the key tiles where the mask's block summary shows the
-    tile a visible cell (`key_range`), inside the tile info that the producer and the consumers both decode,
-    so both walk the same tiles;
-  * the consumers turn q.k into natural-unit scores q.k * scale + bias, -inf where the mask hides the pair
-    (`tile_scores`), before the visibility mask; the softmax then runs in natural units (mul = log2 e, exact
-    differences) and the epilogue keeps the row max and ln(row sum) apart (mRowMax, mLogSum) for the
-    backward's exact recomputation of P.
+the plain kernel's code does not change.  Both kinds take the same entry (`call_aux`) and tensors.  What they
+do differently from the plain kernel (common/aux_scores.py has the tensors' layout, broadcasting and
+pad-safety rules):
+  * both kinds: the key-tile range of a query tile is narrowed to the key tiles where the mask's block summary
+    shows the tile a visible cell (`key_range`), inside the tile info that the producer and the consumers both
+    decode, so both walk the same tiles; the epilogue writes the row max and ln(row sum) in natural units
+    (mRowMax, mLogSum) besides lse, for the valid rows;
+  * "bias": the consumers turn q.k into natural-unit scores q.k * scale + bias, -inf where the mask hides the
+    pair (`tile_scores`), before the visibility mask; the softmax then runs in natural units (mul = log2 e,
+    exact differences), and the row statistics let the backward recompute P exactly;
+  * "mask": the scores stay raw q.k, -inf where the mask hides the pair (`tile_mask_scores`), and the softmax
+    is the plain kernel's (mul = score_mul = scale * log2 e): a tile the mask shows whole costs nothing more.
 """
 
 from typing import NamedTuple
@@ -36,8 +39,8 @@ class FwdAux(NamedTuple):
 
 
 class FwdAuxEntry:
-    """Mixin of `FlashFwdSm90`: the aux variant's entry point (FlashFwdSm90 binds it as the instance's
-    `__call__` when aux is set)."""
+    """Mixin of `FlashFwdSm90`: the aux variants' entry point (FlashFwdSm90 binds it as the instance's
+    `__call__` when aux is set, either kind)."""
 
     @cute.jit
     def call_aux(
@@ -68,8 +71,8 @@ class FwdAuxEntry:
         aux_flags: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        """The aux variant's entry (the aux ABI's order).  score_mul is the plain softmax scale; cap_mul is
-        unused (no softcap)."""
+        """The aux variants' entry (the aux ABI's order).  score_mul: the softmax scale ("bias", natural units)
+        or the plain kernel's scale * log2 e ("mask", raw scores); cap_mul is unused (no softcap)."""
         aux_in = FwdAux(mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, aux_flags)
         self.launch(mQ, mK, mV, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul, window_left,
                     window_right, bottom_right, max_seqlen_q, stream, aux_in)
@@ -115,6 +118,15 @@ def tile_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, view, cls: cutlass.Int32, 
     """In place: raw q.k of tile (m_block, n_block) of class `cls` (tile_class) -> natural-unit scores with bias
     and mask (the caller then applies the visibility mask)."""
     aux_scores.scores(s_mn, c_mn, view, m_block * block_m, n_block * block_n, q_len, k_len, score_mul, cls, 0)
+
+
+@cute.jit
+def tile_mask_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, view, cls: cutlass.Int32, m_block: cutlass.Int32,
+                     n_block: cutlass.Int32, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr,
+                     q_len: cutlass.Int32, k_len: cutlass.Int32):
+    """The "mask" kind's `tile_scores`: in place, raw q.k of tile (m_block, n_block) of class `cls` stay raw,
+    -inf where the mask hides the pair (the caller then applies the visibility mask)."""
+    aux_scores.mask_scores(s_mn, c_mn, view, m_block * block_m, n_block * block_n, q_len, k_len, cls, 0)
 
 
 @cute.jit

@@ -1,7 +1,7 @@
 """The Hopper forward's producer warp: TMA loads of Q, K and V into the shared-memory pipelines, the claim of
 the compact kernel's next tile, and the L2 prefetch of the next tile's first blocks.
 
-It loads the key tiles [n_min, n_max) of the tile info (fwd_schedule), which in the aux variant is already
+It loads the key tiles [n_min, n_max) of the tile info (fwd_schedule), which in the aux variants is already
 narrowed by the mask's block summary: the same range the consumers walk, so every stage it fills is consumed."""
 
 import cutlass

@@ -7,7 +7,7 @@ grid would be mostly empty, `tile_schedule.use_compact_grid`): one wave of persi
 claims tiles from a counter and publishes each one decoded in a slot of the tile queue (`claim_published`),
 which the consumers read (`published_info`).  `tile_info_lin` decodes a linear tile number for both.
 
-The aux variant (masks as tensors, `fwd_aux`) narrows each tile's key-tile range in `tile_info_lin` itself, so
+The aux variants (masks as tensors, `fwd_aux`; both kinds) narrow each tile's key-tile range in `tile_info_lin` itself, so
 the producer's loads and the consumers' steps (dense: both decode; compact: the consumers read what the
 producer published) cover the same key tiles.
 """
@@ -26,7 +26,7 @@ class FwdTile(NamedTuple):
     sequence's bounds, the key tiles [n_min, n_max) it visits.  `present` is False for a tile past the grid
     (`in_grid` False) or wholly past its sequence's valid length (nothing to compute: the consumers write its
     rows up to the slot end `q_slot` as zeros, lse is pre-zeroed).  The compact kernel's queue publishes these
-    values, in this order, after the tile number; `batch` (the sequence) only in the aux variant, whose
+    values, in this order, after the tile number; `batch` (the sequence) only in the aux variants, whose
     consumers need it for the mask and bias views (the plain kernel publishes the first 15)."""
     present: cutlass.Boolean
     m_block: cutlass.Int32
@@ -46,9 +46,9 @@ class FwdTile(NamedTuple):
     batch: cutlass.Int32
 
 
-def slot_values(aux: bool) -> int:
+def slot_values(aux) -> int:
     """Values of a tile-queue slot (compact schedule): the tile number, then the tile's FwdTile (without
-    `batch` in the plain kernel)."""
+    `batch` in the plain kernel).  `aux`: the kernel's aux kind (False, "mask" or "bias")."""
     return len(FwdTile._fields) + (1 if aux else 0)
 
 
@@ -69,7 +69,7 @@ class FwdSchedule(NamedTuple):
     window_right: cutlass.Int32
     bottom_right: cutlass.Int32
     compact: bool
-    aux: object = None  # the aux variant's fwd_aux.FwdAux, else None
+    aux: object = None  # the aux variants' fwd_aux.FwdAux, else None
 
 
 class FwdTileSchedule:
@@ -82,7 +82,7 @@ class FwdTileSchedule:
                         sKV_layout, tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes: cutlass.Constexpr,
                         kv_bytes: cutlass.Constexpr, SharedStorage: cutlass.Constexpr, stream, aux_in=None):
         """Launch the kernel of one schedule: dense (per_seq_or_head = m-blocks per sequence) or compact
-        (per_seq_or_head = compact tiles per head).  `aux_in`: the aux variant's fwd_aux.FwdAux (the kernel's
+        (per_seq_or_head = compact tiles per head).  `aux_in`: the aux variants' fwd_aux.FwdAux (the kernel's
         last argument, absent from the plain kernel's)."""
         total = per_seq_or_head * num_heads
         if cutlass.const_expr(not compact):
@@ -192,7 +192,7 @@ class FwdTileSchedule:
             info = self.tile_info_lin(lin, sched)
             hole = (lin < total) & (info.m_block * self.block_m >= info.q_slot)
         values = (lin,) + tuple(cutlass.Int32(x) for x in info)
-        # The consumers read the range from here (published_info): in the aux variant it is the narrowed one.
+        # The consumers read the range from here (published_info): in the aux variants it is the narrowed one.
         state_tile = tile_queue.publish(queue, state_tile, values[:slot_values(self.aux)])
         return lin, info, state_tile
 
