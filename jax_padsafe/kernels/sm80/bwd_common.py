@@ -2,7 +2,7 @@
 
 * `make_mma` / `transposed`: the warp-level TiledMma and the transposed view of a shared tile.
 * `BwdBase`: the configuration every SM80-class backward kernel holds (and the choice of the aux variant's
-  class, see `BwdBase.__new__`).
+  class, see `BwdBase.__new__`; the aux kinds "mask" and "bias" as in fwd.aux_kind).
 * `aux_view`: the AuxView (common/aux_scores.py) of one (sequence, query head) from an aux kernel's inputs.
 * `gemm_ss` / `gemm_rs`: mma.sync GEMMs with ldmatrix-fed operands (shared/shared, register/shared).
 * `store_rows`: accumulator -> shared -> global for rows below a valid length only.
@@ -13,6 +13,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common import aux_scores
+from .fwd import aux_kind
 
 
 def make_mma(dtype, num_threads):
@@ -32,23 +33,26 @@ class BwdBase:
     """Configuration of an SM80-class backward kernel (two shared-memory stages of the streamed operands: every
     default tile fits sm_80's 163 KB per block with two).
 
-    `aux=True` (masks and biases as tensors, natural-unit scores, the forward's exact row statistics) builds the
-    subclass named by the kernel class's `aux_class`: the DSL compiles __call__'s fixed signature, and the aux
-    variant's __call__ takes the extra tensors and the aux_flags scalar."""
+    `aux` = "bias" (True: the same; masks and biases as tensors, natural-unit scores, P from the forward's exact
+    row statistics) or "mask" (a mask alone: the plain kernel's raw scores and P from lse, the mask applied to
+    the raw scores) builds the subclass named by the kernel class's `aux_class`: the DSL compiles __call__'s
+    fixed signature, and the aux variants' __call__ (one for both kinds) takes the extra tensors and the
+    aux_flags scalar.  `self.aux` is False, "mask" or "bias"; the kernels branch on it with const_expr only."""
 
     aux_class = None  # set by each kernel module to its aux subclass
 
-    def __new__(cls, *args, aux: bool = False, **kwargs):
-        if aux:
+    def __new__(cls, *args, aux=False, **kwargs):
+        if aux_kind(aux):
             assert cls.aux_class is not None
             return super().__new__(cls.aux_class)
         return super().__new__(cls)
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool, *,
-                 aux: bool = False):
+                 aux=False):
         assert head_dim % 32 == 0
+        aux = aux_kind(aux)
         assert not (aux and has_softcap)  # aux variants are built without softcap
-        assert aux == (type(self).aux_class is type(self))  # the __call__ matches the kernel body
+        assert bool(aux) == (type(self).aux_class is type(self))  # the __call__ matches the kernel body
         self.aux = aux
         self.dtype = dtype
         self.head_dim = head_dim

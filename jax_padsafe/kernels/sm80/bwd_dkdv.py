@@ -21,9 +21,11 @@ S = QK^T and dP = dO V^T are computed twice (7 GEMMs instead of FlashAttention-2
 
 Layout (packed): q/o/do [total_q, N, H], k/v [total_k, K, H], lse/dlse/delta [N, total_q] float32.
 
-`aux=True` builds the variants that take masks and biases as tensors (common/aux_scores.py; classes BwdDKDVAux
-and bwd_dq.BwdDQAux): natural-unit scores, P from the forward's exact row statistics (row max, ln of the row
-sum), and the tile ranges narrowed to the tiles where the mask shows a visible cell.
+`aux` builds the variants that take masks and biases as tensors (common/aux_scores.py; classes BwdDKDVAux
+and bwd_dq.BwdDQAux), in two kinds with one ABI: "bias" (natural-unit scores, P from the forward's exact row
+statistics, row max and ln of the row sum) and "mask" (the plain kernel's raw scores and P from lse, -inf
+where the mask hides a pair; mRowMax / mLogSum are passed and not read).  Both narrow the tile ranges to the
+tiles where the mask shows a visible cell.
 """
 
 import cutlass
@@ -44,7 +46,7 @@ class BwdDKDV(bc.BwdBase):
     """
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool,
-                 outputs: str = "dkdv", *, aux: bool = False):
+                 outputs: str = "dkdv", *, aux=False):
         super().__init__(dtype, head_dim, block_m, block_n, num_threads, has_softcap, aux=aux)
         assert outputs in ("dkdv", "dv", "dk")
         self.outputs = outputs
@@ -247,7 +249,7 @@ class BwdDKDV(bc.BwdBase):
             lse2 = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
             delta = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
             row_max = None
-            if cutlass.const_expr(self.aux):
+            if cutlass.const_expr(self.aux == "bias"):
                 row_max = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
 
             n_m = m_max - m_min
@@ -276,9 +278,10 @@ class BwdDKDV(bc.BwdBase):
                             cute.arch.cp_async_commit_group()
                         view = None
                         if cutlass.const_expr(self.aux):
-                            # This query head's mask and bias; the forward's m and ln l (lse2 holds ln l * log2 e
-                            # here), so that P = exp(s - m - ln l) stays exact for biases of any magnitude.
-                            view = bc.aux_view(aux_in, batch, head, mQ.shape[1])
+                            view = bc.aux_view(aux_in, batch, head, mQ.shape[1])  # this query head's mask and bias
+                        if cutlass.const_expr(self.aux == "bias"):
+                            # The forward's m and ln l (lse2 holds ln l * log2 e here), so that P = exp(s - m - ln l)
+                            # stays exact for biases of any magnitude.
                             bwd_scores.load_row_stats_exact(aux_in[5], aux_in[6], mDelta, head, q_start, q_len, m0,
                                                             cS_mn, row_max, lse2, delta, 1)
                         else:
@@ -295,7 +298,7 @@ class BwdDKDV(bc.BwdBase):
                         acc_T = cute.make_rmem_tensor(thr_mma.partition_shape_C((BN, BM)), cutlass.Float32)
                         need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
                         s_mn = masking.acc_mn_view(acc_S)
-                        if cutlass.const_expr(self.aux):
+                        if cutlass.const_expr(self.aux == "bias"):
                             # S^T is keys x queries (query_mode 1).  tile_class is warp-collective: every thread
                             # runs it for every tile.
                             cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
@@ -303,6 +306,11 @@ class BwdDKDV(bc.BwdBase):
                             bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m0, n0, k_len, off, left, right, need,
                                                    1)
                         else:
+                            if cutlass.const_expr(self.aux == "mask"):
+                                # -inf on the raw S^T where the mask hides a pair (exp2 gives P = 0), then the plain
+                                # P with the plain score_mul.  tile_class as above.
+                                cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
+                                aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0, q_len, k_len, cls, 1)
                             bwd_scores.probs_and_dscale(s_mn, masking.acc_mn_view(acc_T), cS_mn, lse2, m0, n0, k_len,
                                                         off, left, right, score_mul, cap_mul, need, 1,
                                                         self.has_softcap)
@@ -355,8 +363,9 @@ class BwdDKDV(bc.BwdBase):
 
 
 class BwdDKDVAux(BwdDKDV):
-    """The aux variant (what BwdDKDV(..., aux=True) builds, any `outputs`): the extra tensors after mUsedK,
-    aux_flags after max_seqlen_k (mLSE is passed but unused: P comes from mRowMax and mLogSum)."""
+    """The aux variants (what BwdDKDV(..., aux="mask" | "bias") builds, any `outputs`): the extra tensors after
+    mUsedK, aux_flags after max_seqlen_k.  The bias kind reads mRowMax and mLogSum (mLSE unused), the mask kind
+    mLSE (mRowMax and mLogSum unused)."""
 
     @cute.jit
     def __call__(

@@ -1,8 +1,9 @@
 """SM80-class backward, dQ kernel (see bwd_dkdv for the backward's structure).
 
-`aux=True` builds BwdDQAux: masks and biases as tensors (common/aux_scores.py), natural-unit scores, P from the
-forward's exact row statistics, the key-tile range narrowed to the tiles where the mask shows the query tile a
-visible cell.
+`aux` builds BwdDQAux: masks and biases as tensors (common/aux_scores.py), the key-tile range narrowed to the
+tiles where the mask shows the query tile a visible cell, in two kinds with one ABI: "bias" (natural-unit
+scores, P from the forward's exact row statistics) and "mask" (the plain kernel's raw scores and P from lse,
+-inf where the mask hides a pair).
 """
 
 import cutlass
@@ -189,7 +190,7 @@ class BwdDQ(bc.BwdBase):
             lse2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
             delta = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
             row_max = None
-            if cutlass.const_expr(self.aux):
+            if cutlass.const_expr(self.aux == "bias"):
                 # The forward's m and ln l (lse2 holds ln l * log2 e here): P = exp(s - m - ln l) stays exact
                 # for biases of any magnitude.
                 row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
@@ -233,7 +234,7 @@ class BwdDQ(bc.BwdBase):
                         acc_T = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
                         need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
                         s_mn = masking.acc_mn_view(acc_S)
-                        if cutlass.const_expr(self.aux):
+                        if cutlass.const_expr(self.aux == "bias"):
                             # Natural-unit scores (tile_class is warp-collective: every thread runs it), then
                             # P with the visibility rule; a HIDDEN tile inside the range gives P = 0.
                             cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
@@ -241,6 +242,11 @@ class BwdDQ(bc.BwdBase):
                             bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m0, n0, k_len, off, left, right, need,
                                                    0)
                         else:
+                            if cutlass.const_expr(self.aux == "mask"):
+                                # -inf on the raw S where the mask hides a pair (exp2 gives P = 0), then the plain P
+                                # with the plain score_mul.  tile_class as above.
+                                cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
+                                aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0, q_len, k_len, cls, 0)
                             bwd_scores.probs_and_dscale(s_mn, masking.acc_mn_view(acc_T), cS_mn, lse2, m0, n0, k_len,
                                                         off, left, right, score_mul, cap_mul, need, 0,
                                                         self.has_softcap)
@@ -262,8 +268,9 @@ class BwdDQ(bc.BwdBase):
 
 
 class BwdDQAux(BwdDQ):
-    """The aux variant (what BwdDQ(..., aux=True) builds): the extra tensors after mUsedK, aux_flags after
-    max_seqlen_q (mLSE is passed but unused: P comes from mRowMax and mLogSum)."""
+    """The aux variants (what BwdDQ(..., aux="mask" | "bias") builds): the extra tensors after mUsedK, aux_flags
+    after max_seqlen_q.  The bias kind reads mRowMax and mLogSum (mLSE unused), the mask kind mLSE (mRowMax and
+    mLogSum unused)."""
 
     @cute.jit
     def __call__(

@@ -7,10 +7,17 @@ The caller zero-fills o and lse (padded rows are never written here); this kerne
 valid rows of every sequence.  Loads of rows past a valid length are replaced by zeros in shared
 memory, masking is done with selects, empty rows get O = 0 and lse = -inf.
 
-`aux=True` builds the variant that takes masks and biases as tensors (common/aux_scores.py): scores in natural
-units (q.k * scale + bias, -inf where the mask hides), the exact-difference softmax, and the backward's exact
-row statistics (row max, ln of the row sum) written next to lse.  Its __call__ (class FlashFwdSm80Aux) takes
-the extra tensors after mUsedK and the scalar aux_flags after max_seqlen_q.
+`aux` builds the variant that takes masks and biases as tensors (common/aux_scores.py), in one of two kinds
+(`aux_kind`):
+  "bias"  scores in natural units (q.k * scale + bias, -inf where the mask hides), the exact-difference softmax,
+          and the backward's exact row statistics (row max, ln of the row sum) written next to lse; a bias of
+          any magnitude needs the natural units.
+  "mask"  a mask alone: the plain kernel's raw scores and exp2-domain softmax (score_mul = scale * log2 e),
+          -inf where the mask hides (aux_scores.mask_scores), so a tile the mask shows whole costs what it
+          costs without a mask; the same row statistics are written (finalize_with_stats), the backward
+          reads lse as the plain one does.
+Both kinds share one __call__ (class FlashFwdSm80Aux): the extra tensors after mUsedK and the scalar aux_flags
+after max_seqlen_q; the kind is fixed at compile time.
 """
 
 from types import SimpleNamespace
@@ -22,19 +29,32 @@ import cuda.bindings.driver as cuda
 from ..common import aux_scores, bounds, masking, softmax, tiles
 
 
+def aux_kind(aux):
+    """The constructors' `aux` keyword as a kind: False (plain kernel), "mask" or "bias".  True means "bias",
+    the single aux variant that existed before the kinds."""
+    if aux is True:
+        return "bias"
+    if not aux:
+        return False
+    assert aux in ("mask", "bias"), aux
+    return aux
+
+
 class FlashFwdSm80:
     """The forward kernel.  `stages`: K/V shared-memory stages, 1 or 2 (the build chooses per arch and head dim
     from the shared memory per SM: two CTAs per SM with two stages where they fit, else one stage)."""
 
-    def __new__(cls, *args, aux: bool = False, **kwargs):
-        # The DSL compiles __call__'s fixed signature, so the aux variant is a subclass with its own __call__.
-        return super().__new__(FlashFwdSm80Aux if aux else cls)
+    def __new__(cls, *args, aux=False, **kwargs):
+        # The DSL compiles __call__'s fixed signature, so the aux variants (both kinds: one ABI) are a subclass
+        # with its own __call__.
+        return super().__new__(FlashFwdSm80Aux if aux_kind(aux) else cls)
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool,
-                 stages: int, *, aux: bool = False):
+                 stages: int, *, aux=False):
         assert head_dim % 32 == 0
+        aux = aux_kind(aux)  # False, "mask" or "bias"; every kind-specific choice below is a const_expr on it
         assert not (aux and has_softcap)  # aux variants are built without softcap
-        assert aux == isinstance(self, FlashFwdSm80Aux)  # the __call__ matches the kernel body
+        assert bool(aux) == isinstance(self, FlashFwdSm80Aux)  # the __call__ matches the kernel body
         self.aux = aux
         assert stages in (1, 2)
         self.stages = stages
@@ -179,10 +199,11 @@ class FlashFwdSm80:
         head_kv = head // (mQ.shape[1] // mK.shape[1])
         m0 = m_block * BM
         mul = cutlass.Float32(1.0)
-        if cutlass.const_expr(self.aux):
+        if cutlass.const_expr(self.aux == "bias"):
             # aux_scores.scores gives natural units (the scale already applied): the exp2 domain is log2(e) away.
             mul = cutlass.Float32(aux_scores.LOG2_E)
         elif cutlass.const_expr(raw_scores):
+            # The plain kernel without softcap, and the mask kind: raw q.k, the scale folded into the exp2 FFMA.
             mul = score_mul
 
         # Global tiles of this sequence and head.
@@ -299,10 +320,17 @@ class FlashFwdSm80:
         lse_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
         max_rows, logsum_rows = None, None
         if cutlass.const_expr(self.aux):
-            # m and ln l kept apart (lse = m + ln l rounds to m when |m| >> ln l): the backward's exact P.
             max_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
             logsum_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-            softmax.finalize_exact(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows, max_rows, logsum_rows)
+            if cutlass.const_expr(self.aux == "mask"):
+                # The plain epilogue (this kind's backward reads lse), plus m and ln l in natural units: the
+                # aux ABI returns them whatever the kind.
+                softmax.finalize_with_stats(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows, mul, max_rows,
+                                            logsum_rows)
+            else:
+                # m and ln l kept apart (lse = m + ln l rounds to m when |m| >> ln l): the backward's exact P.
+                softmax.finalize_exact(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows, max_rows,
+                                       logsum_rows)
         else:
             softmax.finalize(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows, mul)
 
@@ -353,15 +381,20 @@ class FlashFwdSm80:
 
     @cute.jit
     def softmax_pv(self, ctx: SimpleNamespace, acc_S: cute.Tensor, n_block: cutlass.Int32, tOsVt: cute.Tensor):
-        """Scores (raw, or scaled / soft-capped, or the aux variant's natural units), visibility mask, online
-        softmax, O += P V."""
+        """Scores (raw, or scaled / soft-capped, or the bias kind's natural units, or the mask kind's raw scores
+        with the mask), visibility mask, online softmax, O += P V."""
         s_mn = masking.acc_mn_view(acc_S)
         if cutlass.const_expr(self.aux):
             # tile_class is warp-collective: every thread runs this for every tile of its range.  A HIDDEN tile
             # inside the range comes out all -inf (P = 0, the softmax state unchanged).
             cls = aux_scores.tile_class(ctx.view, ctx.m_block, n_block, self.block_m, self.block_n)
-            aux_scores.scores(s_mn, ctx.cS_mn, ctx.view, ctx.m0, n_block * self.block_n, ctx.q_len, ctx.k_len,
-                              ctx.score_mul, cls, 0)
+            if cutlass.const_expr(self.aux == "mask"):
+                # Raw scores stay raw (mul = score_mul folds the scale into the exp2 FFMA, as without a mask).
+                aux_scores.mask_scores(s_mn, ctx.cS_mn, ctx.view, ctx.m0, n_block * self.block_n, ctx.q_len,
+                                       ctx.k_len, cls, 0)
+            else:
+                aux_scores.scores(s_mn, ctx.cS_mn, ctx.view, ctx.m0, n_block * self.block_n, ctx.q_len, ctx.k_len,
+                                  ctx.score_mul, cls, 0)
         elif cutlass.const_expr(self.has_softcap):
             acc_S.store(cute.math.tanh(acc_S.load() * ctx.score_mul, fastmath=False) * ctx.cap_mul)
         elif cutlass.const_expr(not ctx.raw_scores):
@@ -371,7 +404,7 @@ class FlashFwdSm80:
             masking.apply_visibility_mask(s_mn, ctx.cS_mn, ctx.m0, n_block * self.block_n, ctx.k_len, ctx.off,
                                           ctx.left, ctx.right)
         softmax.online_softmax_step(s_mn, masking.acc_mn_view(ctx.acc_O), ctx.row_max, ctx.row_sum, ctx.mul,
-                                    exact=self.aux)
+                                    exact=self.aux == "bias")
         rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         tOrP = cute.make_tensor(rP.iterator, self._c_to_a_layout(rP.layout))
@@ -392,9 +425,10 @@ class FlashFwdSm80:
 
 
 class FlashFwdSm80Aux(FlashFwdSm80):
-    """The aux variant (what FlashFwdSm80(..., aux=True) builds): masks and biases as tensors, natural-unit
-    scores, and the exact row statistics mRowMax / mLogSum ([N, total_q], written where mLSE is).  The mask's
-    row ranges double as the view's column ranges, which the forward never reads."""
+    """The aux variants (what FlashFwdSm80(..., aux="mask" | "bias") builds; one ABI for both kinds): masks and
+    biases as tensors, and the row statistics mRowMax / mLogSum ([N, total_q], natural units, written where
+    mLSE is).  score_mul is the plain kernel's scale * log2 e for the mask kind, the scale for the bias kind.
+    The mask's row ranges double as the view's column ranges, which the forward never reads."""
 
     @cute.jit
     def __call__(
