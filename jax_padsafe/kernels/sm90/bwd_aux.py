@@ -1,15 +1,18 @@
-"""The Hopper backward's aux variant (`BwdDKDVSm90(aux=True)`, `BwdDQSm90(aux=True)`): masks and biases as tensors.
+"""The Hopper backward's aux variants (`BwdDKDVSm90(aux=...)`, `BwdDQSm90(aux=...)`): masks and biases as tensors.
 
 Everything here is used only where the kernel's `aux` is set (every use is behind `cutlass.const_expr`), so the
-plain kernels' code does not change.  What the variant does differently (common/aux_scores.py has the tensors'
+plain kernels' code does not change.  What the variants do differently (common/aux_scores.py has the tensors'
 layout, broadcasting and pad-safety rules):
-  * the tile range is narrowed by the mask's block summary: the dK/dV kernel's query tiles of a key tile, per
-    query head of its kv group (`dkdv_range`, walked by `dkdv_first` / `dkdv_next`), the dQ kernel's key tiles
-    of a query tile (`dq_range`).  The producer and the consumers call the same functions on the same inputs,
-    so both walk the same tiles in the same order;
-  * S becomes natural-unit scores q.k * scale + bias, -inf where the mask hides the pair
+  * both kinds: the tile range is narrowed by the mask's block summary: the dK/dV kernel's query tiles of a key
+    tile, per query head of its kv group (`dkdv_range`, walked by `dkdv_first` / `dkdv_next`), the dQ kernel's
+    key tiles of a query tile (`dq_range`).  The producer and the consumers call the same functions on the same
+    inputs, so both walk the same tiles in the same order;
+  * "bias": S becomes natural-unit scores q.k * scale + bias, -inf where the mask hides the pair
     (aux_scores.scores), and P is recomputed from the forward's separate row max m and ln l
-    (bwd_scores.probs_exact), so a huge finite bias gives the same P as a small one.
+    (bwd_scores.probs_exact, `stat_load` / `stat_finish` here), so a huge finite bias gives the same P as a
+    small one;
+  * "mask": S stays raw, -inf where the mask hides the pair (aux_scores.mask_scores), and P comes from lse as in
+    the plain kernel (a hidden pair's exp2(-inf) is 0); the forward's m and ln l are not read.
 """
 
 from typing import NamedTuple
@@ -22,7 +25,8 @@ from ..common import aux_scores, bwd_scores
 
 class BwdAux(NamedTuple):
     """The aux inputs of one backward call, handed to the kernel as one argument (the ABI's order).  `ranges` is
-    the dK/dV kernel's mColRange or the dQ kernel's mRowRange: each kernel narrows along one side only."""
+    the dK/dV kernel's mColRange or the dQ kernel's mRowRange: each kernel narrows along one side only.  The
+    mask kind reads neither row_max nor log_sum; its kernels get mLSE in both slots (`make`)."""
     mask: cute.Tensor
     bias: cute.Tensor
     bias32: cute.Tensor
@@ -31,6 +35,16 @@ class BwdAux(NamedTuple):
     row_max: cute.Tensor
     log_sum: cute.Tensor
     flags: cutlass.Int32
+
+
+def make(kind, mMask, mBias, mBias32, mTileMap, mRanges, mRowMax, mLogSum, mLSE, flags) -> BwdAux:
+    """The BwdAux of an aux __call__.  The mask kind takes mRowMax / mLogSum (the ABI is the same for both kinds)
+    but reads neither: mLSE takes their slots, so its kernels have no argument they do not use, and `view`'s
+    head count (row_max's rows) is lse's, whatever the caller passes for the unused tensors."""
+    if kind == "mask":
+        mRowMax = mLSE
+        mLogSum = mLSE
+    return BwdAux(mMask, mBias, mBias32, mTileMap, mRanges, mRowMax, mLogSum, flags)
 
 
 @cute.jit
@@ -103,7 +117,7 @@ def dkdv_next(aux: BwdAux, batch: cutlass.Int32, head_kv: cutlass.Int32, group: 
 @cute.jit
 def stat_load(aux: BwdAux, mDelta: cute.Tensor, head: cutlass.Int32, q_start: cutlass.Int32,
               q_len: cutlass.Int32, i: cutlass.Int32, kind: cutlass.Int32):
-    """The dK/dV kernel's staged row statistics (its `stat_load`), from the forward's m and ln l: kind 0 loads
+    """The bias kind's dK/dV row statistics (the kernel's `stat_load`), from the forward's m and ln l: kind 0 loads
     (ln l, m) of query i, kind 1 (Delta, 0).  Padded queries (i >= q_len) load nothing: ln l = +inf, m = 0,
     Delta = 0, as bwd_scores.load_row_stats_exact gives them."""
     v = cutlass.Float32(0.0)

@@ -39,11 +39,13 @@ inside it hold anything: NaN, Inf, the next sequence):
   * dQ: K rows past k_len meet dS = 0 in dQ += dS K: zeroed in shared memory the same way.  V rows past
     k_len only reach dP columns that the select drops; Q / dO rows past q_len only reach dQ rows that are
     never written (and the lse sentinel turns their P, dS into 0 by select).
-The aux variant (`aux=True`, bwd_aux: masks and biases as tensors, no softcap) adds three things: each kernel's
-tile range is narrowed by the mask's block summary where the producer and the consumers both derive it (the
-dK/dV kernel per query head of the kv group), S becomes natural-unit scores with the mask and bias before the
-visibility mask, and P is recomputed from the forward's row max and ln(row sum) instead of lse.  Every addition
-sits behind `cutlass.const_expr`, so the plain kernels compile to the same code.
+The aux variants (`aux="mask"` / `aux="bias"`, bwd_aux: masks and biases as tensors, no softcap; both take the
+same arguments) narrow each kernel's tile range by the mask's block summary where the producer and the consumers
+both derive it (the dK/dV kernel per query head of the kv group).  "bias" makes S natural-unit scores with the
+mask and bias before the visibility mask and recomputes P from the forward's row max and ln(row sum); "mask"
+keeps the plain kernels' raw scores, lse and exp2-domain P, and only sets S to -inf where the mask hides a pair
+(so a tile the mask shows whole costs what it costs without one).  Every addition sits behind
+`cutlass.const_expr`, so the plain kernels compile to the same code.
 
 Outputs are staged through shared memory and written with 16-byte stores predicated per row: valid rows get
 values, rows past the valid length up to the sequence's slot end (cu[b+1]) get zeros, and tiles with nothing
@@ -66,17 +68,27 @@ BAR_P_READY = 6
 BAR_DS_READY = 7
 
 
+def aux_kind(aux):
+    """The `aux` keyword as a kind: False (plain kernel), "mask" or "bias"."""
+    if aux is True:
+        return "bias"
+    if not aux:
+        return False
+    assert aux in ("mask", "bias"), aux
+    return aux
+
+
 class Sm90BwdBase:
     """What both Hopper backward kernels share: the warpgroup roles and register split, their two TMA pipelines
     (`_pipes`) and the launch of the queued compact schedule (`_launch_compact`)."""
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool,
-                 aux: bool = False):
+                 aux=False):
         assert head_dim % 32 == 0  # hd96: 32-column (64-byte) swizzle atoms, chosen by common.smem_layout
-        # The aux variant (masks and biases as tensors, bwd_aux) recomputes P from natural-unit scores and the
-        # forward's exact row statistics; it is built without softcap only.
-        assert not (aux and has_softcap)
-        self.aux = aux
+        # The aux variants (masks and biases as tensors, bwd_aux) are built without softcap only.  `aux` is the
+        # kind: False (plain), "mask" or "bias" (True: "bias", the single aux variant's behaviour).
+        self.aux = aux_kind(aux)
+        assert not (self.aux and has_softcap)
         self.dtype = dtype
         self.head_dim = head_dim
         self.block_m = block_m

@@ -24,15 +24,15 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
       dP^T and dS^T, and they swap them through shared memory (`exchange_step`), so each GEMM is computed once.
     """
 
-    def __new__(cls, *args, aux: bool = False, **kwargs):
-        # The aux variant's __call__ takes more arguments (the aux ABI); cute.compile traces the class's
-        # __call__, so that variant is a subclass that only adds its own.
+    def __new__(cls, *args, aux=False, **kwargs):
+        # The aux variants' __call__ takes more arguments (the aux ABI, the same for both kinds); cute.compile
+        # traces the class's __call__, so those variants are a subclass that only adds its own.
         if aux and cls is BwdDKDVSm90:
             cls = BwdDKDVSm90Aux
         return super().__new__(cls)
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool, *,
-                 pin_waits: bool, queue_dense: bool, aux: bool = False):
+                 pin_waits: bool, queue_dense: bool, aux=False):
         super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap, aux)
         assert block_n in (64, 128)
         # Every layout takes the queued compact schedule, dense ones too (see bwd_base); the
@@ -100,12 +100,14 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         """The launch, shared by both variants' __call__; `aux`: the aux variant's bwd_aux.BwdAux, else None."""
         dt = self.dtype
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
-        # The aux variant's kernel takes its inputs as one more argument after `compact`, and stages three row
-        # statistics per query (ln l * log2 e, Delta, m: bwd_aux.stat_load) where the plain kernel stages two.
+        # The aux variants' kernel takes their inputs as one more argument after `compact`; the bias kind stages
+        # three row statistics per query (ln l * log2 e, Delta, m: bwd_aux.stat_load) where the plain kernel and
+        # the mask kind stage two (lse2, Delta).
         extra = ()
         n_stats = 2
         if cutlass.const_expr(aux is not None):
             extra = (aux,)
+        if cutlass.const_expr(self.aux == "bias"):
             n_stats = 3
         # split_head_dim: a warpgroup's half of the head dim is whole swizzle atoms of Q / dO (the dK / dV GEMMs'
         # B operand) and of K / V (which stage the dK / dV epilogue).
@@ -148,8 +150,8 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            # Per consumer warpgroup, double-buffered: lse2 and Delta (aux: ln l * log2 e, Delta, m) of the step's
-            # block_m queries.
+            # Per consumer warpgroup, double-buffered: lse2 and Delta (aux "bias": ln l * log2 e, Delta, m) of the
+            # step's block_m queries.
             sStat: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BM * n_stats * 2 * 2], 16]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, dq_elems], 1024]
@@ -241,9 +243,9 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         n_stats = 2
-        if cutlass.const_expr(aux is not None):
+        if cutlass.const_expr(self.aux == "bias"):
             n_stats = 3
-        # (query, lse2|Delta (aux: ln l * log2 e|Delta|m), parity, wg)
+        # (query, lse2|Delta (aux "bias": ln l * log2 e|Delta|m), parity, wg)
         sStat = storage.sStat.get_tensor(cute.make_layout((BM, n_stats, 2, 2)))
         sdS = None
         sdQ = None
@@ -506,9 +508,10 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
 
 
 class BwdDKDVSm90Aux(BwdDKDVSm90):
-    """`BwdDKDVSm90(..., aux=True)`: masks and biases as tensors (bwd_aux).  Only the exported signature differs
-    (the aux ABI: the aux tensors after mTileCounter, aux_flags after max_seqlen_k); score_mul is the plain
-    softmax scale (natural units), cap_mul is unused."""
+    """`BwdDKDVSm90(..., aux="mask" | "bias")`: masks and biases as tensors (bwd_aux).  Only the exported signature
+    differs (the aux ABI, the same for both kinds: the aux tensors after mTileCounter, aux_flags after
+    max_seqlen_k); score_mul is the plain softmax scale (natural units) for "bias", scale * log2(e) as in the
+    plain kernel for "mask"; cap_mul is unused."""
 
     @cute.jit
     def __call__(
@@ -543,6 +546,6 @@ class BwdDKDVSm90Aux(BwdDKDVSm90):
         aux_flags: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        aux = bwd_aux.BwdAux(mMask, mBias, mBias32, mTileMap, mColRange, mRowMax, mLogSum, aux_flags)
+        aux = bwd_aux.make(self.aux, mMask, mBias, mBias32, mTileMap, mColRange, mRowMax, mLogSum, mLSE, aux_flags)
         self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul,
                      cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_k, stream, aux)

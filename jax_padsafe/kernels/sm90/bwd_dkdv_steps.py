@@ -22,9 +22,11 @@ class DKDVSteps:
         query head of the group and query tile that sees the key tile); returns the advanced pipeline states.
         `release_kv`: free the K / V stage for the next tile: right after the last step's GEMMs where `out_tiles` (two staging tiles of
         sK's layout) take dK / dV, else once the epilogue, staged through sK / sV, has read them.
-        `aux_tile` (aux variant: (bwd_aux.BwdAux, sequence, m_max)): the steps walk each query head's narrowed
-        range as the producer does (`total` counts them), S^T becomes natural-unit scores with the head's mask
-        and bias (aux_scores.scores), and P^T comes from the forward's m and ln l (bwd_scores.probs_exact)."""
+        `aux_tile` (aux variants: (bwd_aux.BwdAux, sequence, m_max)): the steps walk each query head's narrowed
+        range as the producer does (`total` counts them).  "bias": S^T becomes natural-unit scores with the head's
+        mask and bias (aux_scores.scores), and P^T comes from the forward's m and ln l (bwd_scores.probs_exact);
+        "mask": S^T gets -inf where the head's mask hides a pair (aux_scores.mask_scores), and P^T comes from lse
+        as in the plain kernel."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         q_start, q_len, k_start, k_len, k_slot, off, left, right, m_min, _ = tb
         dt = self.dtype
@@ -32,7 +34,10 @@ class DKDVSteps:
         tidx = tidx_all - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
         n0 = n_block * BN
-
+        # The aux kinds: "bias" stages and reads the forward's m and ln l (bwd_aux.stat_load); "mask" stages lse
+        # and Delta as the plain kernel does, and differs from it only in the step cursor and mask_scores.
+        exact = aux_tile is not None and self.aux == "bias"
+        masked = aux_tile is not None and self.aux == "mask"
 
         # Accumulate flags are fixed per TiledMma object (never set inside staged control flow): the first
         # k-block of S^T / dP^T uses mma_s0 (overwrite), everything else accumulates.
@@ -65,9 +70,9 @@ class DKDVSteps:
         n_cols = cute.size(cS_mn, mode=[1])
         lse2 = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
         delta = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
-        # Aux: lse2 holds ln l * log2(e), row_max the row max m (bwd_scores.probs_exact).
+        # Aux "bias": lse2 holds ln l * log2(e), row_max the row max m (bwd_scores.probs_exact).
         row_max = None
-        if cutlass.const_expr(aux_tile is not None):
+        if cutlass.const_expr(exact):
             row_max = cute.make_rmem_tensor((n_cols,), cutlass.Float32)
         rP = cute.make_rmem_tensor(s_shape, dt)
         tPrP = cute.make_tensor(rP.iterator, sc.c_to_a_layout(rP.layout))
@@ -81,8 +86,8 @@ class DKDVSteps:
         t_wg = tidx % 128
         stat_kind = t_wg // BM
         stat_row = t_wg % BM
-        # The aux variant walks a cursor (query head, query tile, end of that head's narrowed range) instead of
-        # counting through group x n_m steps, and stages ln l and m where the plain kernel stages lse.
+        # The aux variants walk a cursor (query head, query tile, end of that head's narrowed range) instead of
+        # counting through group x n_m steps; the bias kind stages ln l and m where the plain kernel stages lse.
         m_hi = None
         head = None
         m_block = None
@@ -90,7 +95,11 @@ class DKDVSteps:
             stat = self.stat_load(mLSE, mDelta, head_kv * group, q_start, q_len, m_min * BM + stat_row, stat_kind)
         else:
             head, m_block, m_hi = self.aux_first(aux_tile, head_kv, group, self.key_tile(n_block, slot), m_min)
-            stat = bwd_aux.stat_load(aux_tile[0], mDelta, head, q_start, q_len, m_block * BM + stat_row, stat_kind)
+            if cutlass.const_expr(masked):
+                stat = self.stat_load(mLSE, mDelta, head, q_start, q_len, m_block * BM + stat_row, stat_kind)
+            else:
+                stat = bwd_aux.stat_load(aux_tile[0], mDelta, head, q_start, q_len, m_block * BM + stat_row,
+                                         stat_kind)
 
         # Head-dim split: per-thread views of P^T (fp32) and dS^T in shared memory,
         # in the S^T fragment's layout (the same thread of the other warpgroup reads what this one wrote).
@@ -111,7 +120,7 @@ class DKDVSteps:
             m0 = m_block * BM
             par = it % 2
             if t_wg < 2 * BM:
-                if cutlass.const_expr(aux_tile is None):
+                if cutlass.const_expr(not exact):
                     sStat[stat_row, stat_kind, par, wg] = self.stat_finish(stat, stat_kind)
                 else:
                     st_a, st_b = bwd_aux.stat_finish(stat[0], stat[1], stat_kind)
@@ -131,7 +140,7 @@ class DKDVSteps:
                                                            m_min, head, m_block, m_hi)
             if it + 1 < total:
                 # Issued a step ahead; nothing reads the loaded values before the next step's store.
-                if cutlass.const_expr(aux_tile is None):
+                if cutlass.const_expr(not exact):
                     stat = self.stat_load(mLSE, mDelta, next_head, q_start, q_len, next_m * BM + stat_row, stat_kind)
                 else:
                     stat = bwd_aux.stat_load(aux_tile[0], mDelta, next_head, q_start, q_len, next_m * BM + stat_row,
@@ -161,8 +170,10 @@ class DKDVSteps:
                 # softcap they stay after the waits: that kernel spills either way (ptxas 152 B of stack, early
                 # or late), and early reads were not timed there.  The aux variant reads them after its scores
                 # (below): held through aux_scores.scores, lse2 and m (2 x 16 registers) made ptxas spill inside
-                # the step (208 B at hd128, sm_90a), and 28 B outside it when read after.
-                early_stats = not self.has_softcap and aux_tile is None
+                # the step (208 B at hd128, sm_90a), and 28 B outside it when read after.  The mask kind reads
+                # lse2 and Delta where the plain kernel does: it holds one statistic, not two, and at hd128 ptxas
+                # spills 80 B with lse2 read early, 88 B with it read after mask_scores.
+                early_stats = not self.has_softcap and not exact
                 if cutlass.const_expr(early_stats):
                     for x in cutlass.range_constexpr(n_cols):
                         lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
@@ -186,6 +197,12 @@ class DKDVSteps:
                 if cutlass.const_expr(view is None):
                     bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right, score_mul, cap_mul,
                                         need, 1, self.has_softcap)
+                elif cutlass.const_expr(masked):
+                    # Raw scores, -inf where the mask hides a pair (exp2(-inf) = 0), then the plain kernel's P^T
+                    # with its score_mul (scale * log2 e).
+                    aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, cls, 1)
+                    bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right,
+                                                score_mul, cap_mul, need, 1, False)
                 else:
                     # Natural-unit scores with the mask (-inf) and the bias, then P^T from m and ln l; the
                     # visibility rule applies after, inside probs_exact, as in the plain kernel.  ln l * log2 e
@@ -283,8 +300,9 @@ class DKDVSteps:
         where P^T = 0, so a NaN score of a key past its length cannot reach it), and P^T crosses in the input
         dtype for warpgroup 1's dV GEMM, through the dS^T tile: each thread of warpgroup 1 reads its elements of
         P^T there before it writes its elements of dS^T to the same addresses, and warpgroup 0 writes the next
-        P^T there only after reading dS^T.  Aux (`view`: the step's aux_scores.AuxView, `row_max`: m): warpgroup 0
-        forms P^T from natural-unit scores and m, ln l (bwd_scores.probs_exact), as `consume` does."""
+        P^T there only after reading dS^T.  Aux (`view`: the step's aux_scores.AuxView; "bias" also `row_max`: m):
+        warpgroup 0 forms P^T as `consume` does, from natural-unit scores and m, ln l (bwd_scores.probs_exact) or,
+        for "mask", from raw scores with the mask's -inf and lse."""
         BM, BN = self.block_m, self.block_n
         dt = self.dtype
         n_cols = cute.size(cS_mn, mode=[1])
@@ -296,13 +314,14 @@ class DKDVSteps:
             sc.gemm(mma_s0, mma_s, acc_X, tSrK, tSrQ[None, None, None, stage], True)
             need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
             cls = None
-            if cutlass.const_expr(view is None):
+            if cutlass.const_expr(view is not None):
+                # Every lane of warpgroup 0's warps (tile_class votes per warp).  The bias kind reads its row
+                # statistics after the scores, as in `consume` (hd256: 88 B of spills when held through them,
+                # none after); the mask kind reads lse2 here, as the plain kernel does.
+                cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
+            if cutlass.const_expr(view is None or self.aux == "mask"):
                 for x in cutlass.range_constexpr(n_cols):
                     lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
-            else:
-                # Every lane of warpgroup 0's warps (tile_class votes per warp).  The row statistics are read
-                # after the scores, as in `consume` (hd256: 88 B of spills when held through them, none after).
-                cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
             warpgroup.wait_group(0)
             if cutlass.const_expr(self.has_softcap):
                 acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
@@ -322,6 +341,10 @@ class DKDVSteps:
                 cute.arch.barrier_arrive(barrier_id=BAR_P_READY, number_of_threads=self.num_consumer_threads)
             else:
                 if cutlass.const_expr(view is None):
+                    bwd_scores.probs_and_dscale(x_mn, x_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left,
+                                                right, score_mul, cap_mul, need, 1, False)
+                elif cutlass.const_expr(self.aux == "mask"):
+                    aux_scores.mask_scores(x_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, cls, 1)
                     bwd_scores.probs_and_dscale(x_mn, x_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left,
                                                 right, score_mul, cap_mul, need, 1, False)
                 else:

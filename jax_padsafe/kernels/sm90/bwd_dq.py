@@ -15,15 +15,15 @@ from .bwd_base import BAR_CONSUMERS, BAR_WG_BASE, Sm90BwdBase
 class BwdDQSm90(Sm90BwdBase):
     """dQ for one query tile of block_m = 2 x 64 queries of one head."""
 
-    def __new__(cls, *args, aux: bool = False, **kwargs):
-        # The aux variant's __call__ takes more arguments (the aux ABI); cute.compile traces the class's
-        # __call__, so that variant is a subclass that only adds its own.
+    def __new__(cls, *args, aux=False, **kwargs):
+        # The aux variants' __call__ takes more arguments (the aux ABI, the same for both kinds); cute.compile
+        # traces the class's __call__, so those variants are a subclass that only adds its own.
         if aux and cls is BwdDQSm90:
             cls = BwdDQSm90Aux
         return super().__new__(cls)
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool, *,
-                 pin_waits: bool, queue_dense: bool, aux: bool = False):
+                 pin_waits: bool, queue_dense: bool, aux=False):
         super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap, aux)
         assert block_m == 128
         # The wait for dP pinned after P (common.wgmma_wait_after): ptxas issues it after ~9 of the 32
@@ -356,9 +356,10 @@ class BwdDQSm90(Sm90BwdBase):
         """The consumers' part of one query tile (`tb`: its bounds.TileBounds); returns the advanced pipeline
         states.  `release_q`: free the
         Q / dO stage for the next tile: right after the last step's GEMMs where `sOut` (a staging tile of sQ's
-        layout) takes dQ, else once the epilogue, staged through sQ, has read it.  `aux` (aux variant: its
-        bwd_aux.BwdAux, with the tile's sequence `batch`): S becomes natural-unit scores with the head's mask and
-        bias, and P comes from the forward's m and ln l (`dq_probs`)."""
+        layout) takes dQ, else once the epilogue, staged through sQ, has read it.  `aux` (aux variants: its
+        bwd_aux.BwdAux, with the tile's sequence `batch`): "bias": S becomes natural-unit scores with the head's
+        mask and bias, and P comes from the forward's m and ln l; "mask": S gets -inf where the head's mask hides
+        a pair, and P comes from lse as in the plain kernel (`dq_probs`)."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         q_start, q_len, _, k_len, q_slot, off, left, right, n_min, n_max = tb
         dt = self.dtype
@@ -387,13 +388,14 @@ class BwdDQSm90(Sm90BwdBase):
         delta = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
         row_max = None
         view = None
-        if cutlass.const_expr(aux is None):
+        if cutlass.const_expr(aux is None or self.aux == "mask"):
             bwd_scores.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 0)
         else:
             # The forward's exact statistics: lse2 holds ln l * log2(e), row_max m.
             row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
             bwd_scores.load_row_stats_exact(aux.row_max, aux.log_sum, mDelta, head, q_start, q_len, m0, cS_mn, row_max,
                                             lse2, delta, 0)
+        if cutlass.const_expr(aux is not None):
             view = bwd_aux.view(aux, batch, head)
         rdS = cute.make_rmem_tensor(s_shape, dt)
         tQrdS = cute.make_tensor(rdS.iterator, sc.c_to_a_layout(rdS.layout))
@@ -466,9 +468,11 @@ class BwdDQSm90(Sm90BwdBase):
     def dq_probs(self, acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right, score_mul,
                  cap_mul, view=None, cls=None, row_max=None):
         """S -> P in place (select: 0 where masked or the query is padded / empty); with softcap acc_T gets
-        1 - tanh^2 for dS.  Aux (`view`, the tile's `cls`, `row_max` m; lse2 holds ln l * log2 e): natural-unit
-        scores with the mask and bias first (aux_scores.scores), then P from m and ln l (probs_exact), with the
-        visibility rule applied after, as in the plain kernel."""
+        1 - tanh^2 for dS.  Aux "bias" (`view`, the tile's `cls`, `row_max` m; lse2 holds ln l * log2 e):
+        natural-unit scores with the mask and bias first (aux_scores.scores), then P from m and ln l
+        (probs_exact); aux "mask" (lse2 as in the plain kernel): raw scores with -inf where the mask hides a pair
+        (aux_scores.mask_scores), then the plain kernel's P.  The visibility rule applies after, as in the
+        plain kernel."""
         BM, BN = self.block_m, self.block_n
         s_mn = masking.acc_mn_view_sm90(acc_S)
         t_mn = s_mn
@@ -478,6 +482,11 @@ class BwdDQSm90(Sm90BwdBase):
         if cutlass.const_expr(view is None):
             bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
                                         score_mul, cap_mul, need, 0, self.has_softcap)
+        elif cutlass.const_expr(self.aux == "mask"):
+            # score_mul is the plain kernels' scale * log2(e); a hidden pair's -inf gives P = exp2(-inf) = 0.
+            aux_scores.mask_scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, cls, 0)
+            bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
+                                        score_mul, cap_mul, need, 0, False)
         else:
             aux_scores.scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, score_mul, cls, 0)
             bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
@@ -495,9 +504,10 @@ class BwdDQSm90(Sm90BwdBase):
 
 
 class BwdDQSm90Aux(BwdDQSm90):
-    """`BwdDQSm90(..., aux=True)`: masks and biases as tensors (bwd_aux).  Only the exported signature differs
-    (the aux ABI: the aux tensors after mTileCounter, aux_flags after max_seqlen_q); score_mul is the plain
-    softmax scale (natural units), cap_mul is unused."""
+    """`BwdDQSm90(..., aux="mask" | "bias")`: masks and biases as tensors (bwd_aux).  Only the exported signature
+    differs (the aux ABI, the same for both kinds: the aux tensors after mTileCounter, aux_flags after
+    max_seqlen_q); score_mul is the plain softmax scale (natural units) for "bias", scale * log2(e) as in the
+    plain kernel for "mask"; cap_mul is unused."""
 
     @cute.jit
     def __call__(
@@ -531,6 +541,6 @@ class BwdDQSm90Aux(BwdDQSm90):
         aux_flags: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        aux = bwd_aux.BwdAux(mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, aux_flags)
+        aux = bwd_aux.make(self.aux, mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, mLSE, aux_flags)
         self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul,
                      dscale, window_left, window_right, bottom_right, max_seqlen_q, stream, aux)
