@@ -13,6 +13,11 @@ namespace jps {
 
 enum AuxFlag : int32_t { kAuxMask = 1, kAuxBias = 2, kAuxBias32 = 4 };
 
+// The variant kind a call takes (the registries' `aux` column): a mask alone runs the mask kind (the plain
+// kernels' scores and softmax plus the mask), anything with a bias the bias kind (natural-unit scores).
+enum AuxKindCode : int { kAuxKindMask = 1, kAuxKindBias = 2 };
+inline int AuxKind(int32_t flags) { return (flags & (kAuxBias | kAuxBias32)) ? kAuxKindBias : kAuxKindMask; }
+
 struct AuxOperands {
   const ffi::AnyBuffer *mask, *bias, *tile_map, *row_range, *col_range;
   bool has_mask, has_bias;

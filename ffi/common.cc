@@ -130,7 +130,7 @@ ffi::Error CheckProblem(const char *target, const ffi::AnyBuffer &q, const ffi::
 ffi::Error NoVariant(const char *target, const char *what, const Problem &p, int arch, const std::string &built_dims,
                      bool excluded) {
   const std::string call = "head_dim " + std::to_string(p.head_dim) + ", dtype " + (p.dtype ? "float16" : "bfloat16") +
-                           ", softcap " + std::to_string(p.softcap) + (p.aux ? ", with mask / bias tensors" : "") +
+                           ", softcap " + std::to_string(p.softcap) + (p.aux == 1 ? ", with a mask tensor" : p.aux == 2 ? ", with a bias tensor" : "") +
                            " on sm_" + std::to_string(arch);
   std::string msg = std::string(target) + ": no " + what + " kernel ";
   if (excluded)

@@ -116,7 +116,7 @@ struct Problem {
   int64_t batch;                              // B: entries of seqused_q
   int dtype;                                  // registry code: 0 bfloat16, 1 float16
   int softcap;                                // 0/1: softcap > 0
-  int aux;                                    // 0/1: masks and biases as tensors (the aux variants)
+  int aux;                                    // 0, or the aux kind (aux.h): masks and biases as tensors
 };
 
 // The checks both handlers make on q, k, v, the sequence bounds and the scalars: ranks and shapes, one dtype

@@ -66,8 +66,8 @@ ffi::Error Backward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, f
     return e;
   int32_t aux_flags = 0;
   if (aux) {
-    p.aux = 1;
     if (ffi::Error e = jps::CheckAux(target, p, q.element_type(), aux->operands, &aux_flags); e.failure()) return e;
+    p.aux = jps::AuxKind(aux_flags);
     if (!jps::HasShape(aux->row_max->dimensions(), p.num_heads, p.total_q) ||
         !jps::HasShape(aux->log_sum->dimensions(), p.num_heads, p.total_q))
       return jps::InvalidArgument(target, "the row statistics must be [N, total_q]");
@@ -141,7 +141,9 @@ ffi::Error Backward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, f
   if (aux) {
     jps::FillAuxArgs(&a, aux->operands, aux_flags, const_cast<float *>(aux->row_max->typed_data()),
                      const_cast<float *>(aux->log_sum->typed_data()));
-    a.score_mul = scale;  // the aux kernels form natural-unit scores q.k * scale + bias (aux_scores.scores)
+    // The bias kind forms natural-unit scores q.k * scale + bias (aux_scores.scores); the mask kind keeps the
+    // plain kernels' scores and their score_mul.
+    if (p.aux == jps::kAuxKindBias) a.score_mul = scale;
   }
   int32_t rc = var->pre(var->pre_module, &a, stream);
   if (rc == 0) rc = var->dkdv(var->dkdv_module, &a, stream);         // dK and dV, or the dV pass

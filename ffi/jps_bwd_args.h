@@ -52,5 +52,5 @@ struct JpsBwdVariant {
   // Family 1: the kernels that take their queued schedule on every layout, dense ones too (bit 0: dK/dV,
   // bit 1: dQ; read off the compiled kernels by the build): then every call needs zeroed tile counters.
   int queue_all;
-  int aux;  // 1: the dK/dV and dQ kernels take the aux arguments (masks and biases as tensors)
+  int aux;  // 0: plain; the dK/dV and dQ kernels take the aux arguments: 1 the mask kind, 2 the bias kind
 };

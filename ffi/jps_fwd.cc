@@ -55,8 +55,8 @@ ffi::Error Forward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, ff
   if (tile_counter->element_count() < 1) return jps::InvalidArgument(target, "tile_counter must have at least one element");
   int32_t aux_flags = 0;
   if (aux) {
-    p.aux = 1;
     if (ffi::Error e = jps::CheckAux(target, p, q.element_type(), aux->operands, &aux_flags); e.failure()) return e;
+    p.aux = jps::AuxKind(aux_flags);
     for (auto *x : {aux->row_max, aux->log_sum}) {
       if (!jps::HasShape((*x)->dimensions(), p.num_heads, p.total_q))
         return jps::InvalidArgument(target, "the row statistics must be [N, total_q]");
@@ -107,7 +107,9 @@ ffi::Error Forward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, ff
   a.tile_counter = tile_counter->typed_data();
   if (aux) {
     jps::FillAuxArgs(&a, aux->operands, aux_flags, (*aux->row_max)->typed_data(), (*aux->log_sum)->typed_data());
-    a.score_mul = scale;  // the aux kernels form natural-unit scores q.k * scale + bias (aux_scores.scores)
+    // The bias kind forms natural-unit scores q.k * scale + bias (aux_scores.scores); the mask kind keeps the
+    // plain kernels' scores and their score_mul.
+    if (p.aux == jps::kAuxKindBias) a.score_mul = scale;
   }
   if (int32_t rc = var->launch(var->module, &a, stream); rc != 0)
     return jps::CudaError(target, std::string("launch of ") + var->name, cudaError_t(rc));

@@ -39,7 +39,7 @@ struct JpsFwdVariant {
   JpsFwdLaunchFn launch;
   const char *name;
   int family;    // 0: SM80-class kernel (kernels/sm80), 1: Hopper TMA + wgmma kernel (kernels/sm90, arch 90 only)
-  int aux;       // 1: takes the aux arguments (masks and biases as tensors)
+  int aux;       // 0: plain; takes the aux arguments (masks and biases as tensors): 1 the mask kind, 2 the bias kind
 };
 
 // Errors reported by the exported module loaders (CUTE_DSL_CUDA_ERROR_CHECK is redirected here; the generated

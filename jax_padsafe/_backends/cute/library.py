@@ -123,7 +123,7 @@ def _variants_of(lib, kind: str, aux: bool = False) -> tuple:
   count.restype = ctypes.c_int
   variants = []
   for i in range(count()):
-    if is_aux is not None and bool(is_aux(i) == 1) != aux:
+    if is_aux is not None and (is_aux(i) != 0) != aux:  # 0 plain, 1 / 2 the mask / bias kind
       continue
     vals = [ctypes.c_int() for _ in range(4)]
     if describe(i, *[ctypes.byref(x) for x in vals]) == 0:

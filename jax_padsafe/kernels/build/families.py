@@ -147,8 +147,9 @@ def _dtype(v: Variant):
 
 
 def _aux_kw(v: Variant) -> dict:
-    """The kernel constructors' `aux` keyword, passed only for aux variants (the others compile as before)."""
-    return {"aux": True} if v.aux else {}
+    """The kernel constructors' `aux` keyword (the kind), passed only for aux variants (the others compile as
+    before)."""
+    return {"aux": v.aux} if v.aux else {}
 
 
 def _fake_aux(dt) -> tuple:

@@ -93,7 +93,7 @@ def fwd_registry(variants) -> str:
         body.append(
             f"  {{{V.ARCH_CODE[v.arch]}, {V.DTYPE_CODE[v.dtype]}, {v.head_dim}, {int(v.softcap)}, "
             f"{v.tile[0]}, &{v.prefix}_module, &{v.prefix}_load, &{v.prefix}_launch, \"{v.prefix}\", "
-            f"{V.FAMILY_CODE[v.family]}, {int(v.aux)}}},")
+            f"{V.FAMILY_CODE[v.family]}, {V.AUX_CODE[v.aux]}}},")
     body.append("};")
     body.append(f"static const int kJpsNumFwdVariants = {len(variants)};")
     return "\n".join(body) + "\n"
@@ -119,7 +119,7 @@ def bwd_registry(variants, queue_all=None) -> str:
         body.append(
             f"  {{{V.ARCH_CODE[v.arch]}, {V.DTYPE_CODE[v.dtype]}, {v.head_dim}, {int(v.softcap)}, &{p}_load, "
             f"&{p}_pre_module, &{p}_pre_launch, &{p}_{first}_module, &{p}_{first}_launch, &{p}_dq_module, "
-            f"&{p}_dq_launch, \"{p}\", {V.FAMILY_CODE[v.family]}, {second}, {blocks}, {int(v.aux)}}},")
+            f"&{p}_dq_launch, \"{p}\", {V.FAMILY_CODE[v.family]}, {second}, {blocks}, {V.AUX_CODE[v.aux]}}},")
     if not variants:
         body.append("  {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \"none\", 0, 0, 0, 0, 0, 0, 0},")
     body.append("};")

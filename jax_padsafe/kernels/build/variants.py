@@ -3,8 +3,9 @@
 A variant is fixed at build time by (kind, family, arch, dtype, head dim, softcap on/off, aux); everything else
 (lengths, head counts, scale, window, causal alignment, max_seqlen_q) is a run-time argument. Causal
 attention is a window with right = 0, so it needs no variant of its own.  `aux` variants take masks and
-biases as tensors (`kernels/common/aux_scores.py`; which of them a call passes is a run-time flag); they are
-built without softcap only.
+biases as tensors (`kernels/common/aux_scores.py`), in two kinds: "mask" (a mask alone: the plain kernels'
+raw scores and softmax, plus the mask) and "bias" (a bias, with or without a mask: natural-unit scores and the
+exact softmax); they are built without softcap only.
 
 Kernel families:
 - "sm80": mma.sync + cp.async (forward `fwd_sm80.FlashFwdSm80`, backward `bwd_sm80`); built for every arch.
@@ -24,7 +25,9 @@ ARCHS = ("sm_80", "sm_90a")
 DTYPES = ("bf16", "fp16")
 HEAD_DIMS = (64, 96, 128, 192, 256)
 SOFTCAP = (False, True)
-AUX = (False, True)
+AUX = (False, True)  # without / with the aux variants (both kinds)
+AUX_KINDS = ("mask", "bias")
+AUX_CODE = {"": 0, "mask": 1, "bias": 2}  # shared with ffi/ (JpsFwdVariant.aux, JpsBwdVariant.aux)
 KINDS = ("fwd", "bwd")
 
 # Codes shared with ffi/ (the registry tables): dtype, family and arch codes.
@@ -133,12 +136,12 @@ class Variant:
     head_dim: int
     softcap: bool
     family: str = "sm80"
-    aux: bool = False
+    aux: str = ""  # "", "mask" or "bias"
 
     @property
     def prefix(self) -> str:
         fam = "" if self.family == "sm80" else f"{self.family}k_"
-        aux = "_aux" if self.aux else ""
+        aux = f"_{self.aux}" if self.aux else ""
         return (f"jps_{self.kind}_{fam}{self.arch}_{self.dtype}_hd{self.head_dim}_{'cap' if self.softcap else 'nocap'}"
                 f"{aux}")
 
@@ -178,7 +181,7 @@ class Variant:
         if self.family == "sm80" and fwd:
             opts["fwd_stages"] = sm80_fwd_stages(self.arch, self.head_dim)
         if self.aux:
-            opts["aux"] = True
+            opts["aux"] = self.aux
         return opts
 
     @property
@@ -190,7 +193,7 @@ class Variant:
 
     def describe(self) -> str:
         cap = "cap" if self.softcap else "nocap"
-        aux = " aux" if self.aux else ""
+        aux = f" {self.aux}" if self.aux else ""
         return f"{self.arch} {self.dtype} hd{self.head_dim} {cap} {self.kind} {self.family}{aux}"
 
 
@@ -226,9 +229,9 @@ def family_builds(family: str, arch: str, head_dim: int) -> bool:
 def matrix(archs=ARCHS, dtypes=DTYPES, head_dims=HEAD_DIMS, softcap=SOFTCAP, kinds=KINDS, aux=AUX):
     """Every variant of the build, in registry order: per kind, the sm80 family, then the sm90 family (aux
     variants, softcap off only, after the others of their head dim)."""
-    combos = [(c, False) for c in softcap if False in aux]
+    combos = [(c, "") for c in softcap if False in aux]
     if True in aux and False in softcap:
-        combos.append((False, True))
+        combos += [(False, kind) for kind in AUX_KINDS]
     return [Variant(kind, a, d, h, c, fam, x) for kind in kinds for fam in FAMILY_CODE for a in archs for d in dtypes
             for h in head_dims if family_builds(fam, a, h) for c, x in combos]
 
