@@ -42,8 +42,8 @@ def _runner(p: oracle.Problem):
   runs = problem.runs_from_lengths(jnp.asarray(p.q_len), jnp.asarray(p.kv_len))
 
   @jax.jit
-  def run(q, k, v, bias, do, dl):
-    del bias, do, dl
+  def run(q, k, v, bias, mask, do, dl):
+    del bias, mask, do, dl
     out, lse = fwd(q, k, v, *runs, **static)
     return dict(out=out, lse=lse)
 

@@ -9,9 +9,14 @@ def test_default_matrix():
     for v in vs:
         by_family.setdefault(v.family, []).append(v)
     assert set(by_family) == {"sm80", "sm90"}
-    assert len(by_family["sm80"]) == len(V.ARCHS) * len(V.DTYPES) * len(V.HEAD_DIMS) * len(V.SOFTCAP)
-    assert {(v.arch, v.dtype, v.head_dim, v.softcap) for v in by_family["sm90"]} == {
-        ("sm_90a", d, h, c) for d in V.DTYPES for h in V.TUNING["sm90"] for c in V.SOFTCAP}
+    # Per (arch, dtype, head dim): softcap off and on, and the two aux kinds (softcap off only).
+    per_dim = len(V.SOFTCAP) + len(V.AUX_KINDS)
+    assert len(by_family["sm80"]) == len(V.ARCHS) * len(V.DTYPES) * len(V.HEAD_DIMS) * per_dim
+    assert {(v.arch, v.dtype, v.head_dim, v.softcap, v.aux) for v in by_family["sm90"]} == {
+        ("sm_90a", d, h, c, "") for d in V.DTYPES for h in V.TUNING["sm90"] for c in V.SOFTCAP} | {
+        ("sm_90a", d, h, False, k) for d in V.DTYPES for h in V.TUNING["sm90"] for k in V.AUX_KINDS}
+    assert not any(v.aux for v in V.matrix(aux=(False,)))
+    assert all(v.aux and not v.softcap for v in V.matrix(aux=(True,)))
     assert all(v.tile == V.TUNING["sm90"][v.head_dim].fwd for v in by_family["sm90"])
     assert all(v.tile == V.TUNING["sm80"][v.head_dim].fwd for v in by_family["sm80"])
     both = V.matrix() + V.zero_rows_kernels()
@@ -20,20 +25,27 @@ def test_default_matrix():
     assert len(set(exports)) == len(exports)  # every export has its own symbol prefix
     assert V.Variant("fwd", "sm_90a", "bf16", 128, False, "sm90").prefix == "jps_fwd_sm90k_sm_90a_bf16_hd128_nocap"
     assert V.Variant("fwd", "sm_80", "fp16", 64, True).prefix == "jps_fwd_sm_80_fp16_hd64_cap"
+    assert V.Variant("fwd", "sm_90a", "bf16", 64, False, "sm90", "mask").prefix == \
+        "jps_fwd_sm90k_sm_90a_bf16_hd64_nocap_mask"
     assert V.Variant("bwd", "sm_80", "bf16", 256, False).exports == tuple(
         f"jps_bwd_sm_80_bf16_hd256_nocap_{k}" for k in ("pre", "dv", "dk", "dq"))
     assert all(v.family == "sm80" for v in V.matrix(archs=("sm_80",)))  # the Hopper family: sm_90a only
 
 
 def test_registry_rows(tmp_path):
-    """The generated table carries what the handler selects on: arch, dtype, head dim, softcap, block_m, family."""
-    vs = [V.Variant("fwd", "sm_90a", "bf16", 128, False, "sm80"), V.Variant("fwd", "sm_90a", "fp16", 256, True, "sm90")]
+    """The generated table carries what the handler selects on: arch, dtype, head dim, softcap, block_m, family,
+    aux kind (0 plain, 1 mask, 2 bias)."""
+    vs = [V.Variant("fwd", "sm_90a", "bf16", 128, False, "sm80"), V.Variant("fwd", "sm_90a", "fp16", 256, True, "sm90"),
+          V.Variant("fwd", "sm_90a", "bf16", 64, False, "sm90", "mask"),
+          V.Variant("fwd", "sm_90a", "bf16", 64, False, "sm80", "bias")]
     registry.write(str(tmp_path), vs)
     text = (tmp_path / "jps_registry.h").read_text()
     rows = [ln.strip().rstrip(",").strip("{}").split(",") for ln in text.splitlines() if ln.startswith("  {90,")]
-    assert [[f.strip() for f in (r[:5] + r[-1:])] for r in rows] == [
-        ["90", "0", "128", "0", str(V.TUNING["sm80"][128].fwd[0]), "0"],
-        ["90", "1", "256", "1", str(V.TUNING["sm90"][256].fwd[0]), "1"]]
+    assert [[f.strip() for f in (r[:5] + r[-2:])] for r in rows] == [
+        ["90", "0", "128", "0", str(V.TUNING["sm80"][128].fwd[0]), "0", "0"],
+        ["90", "1", "256", "1", str(V.TUNING["sm90"][256].fwd[0]), "1", "0"],
+        ["90", "0", "64", "0", str(V.TUNING["sm90"][64].fwd[0]), "1", "1"],
+        ["90", "0", "64", "0", str(V.TUNING["sm80"][64].fwd[0]), "0", "2"]]
     assert f"static const int kJpsNumFwdVariants = {len(vs)};" in text
     assert (tmp_path / "objects.txt").read_text().split() == [v.prefix + ".o" for v in vs]
 
@@ -95,15 +107,15 @@ def test_backward_adapters_pass_tile_counters_to_the_sm90_family_only(tmp_path):
         assert "tile_counters" not in adapter(fams["sm80"], kind)
     rows = {v.prefix: next(line for line in text.splitlines() if f'"{v.prefix}"' in line) for v in fams.values()}
     # hd128: both kernels queue every layout (queue_all = 3), so every call zeroes the counters.
-    assert rows[sm90.prefix].endswith('"%s", 1, 0, 0, 128, 128, 3},' % sm90.prefix)
-    assert rows[fams["sm80"].prefix].endswith(", 0, 0, 0, 0, 0},")
+    assert rows[sm90.prefix].endswith('"%s", 1, 0, 0, 128, 128, 3, 0},' % sm90.prefix)
+    assert rows[fams["sm80"].prefix].endswith(", 0, 0, 0, 0, 0, 0},")
     # The bits the build read off the compiled kernels (`families.compile_variant`) win over the tuning table, so
     # the row always describes the kernels that were linked.
     hd96 = V.Variant("bwd", "sm_90a", "bf16", 96, False, "sm90")
     registry.write(str(tmp_path), [sm90, hd96], {sm90.prefix: 1, hd96.prefix: 2})
     text = (tmp_path / "jps_bwd_registry.h").read_text()
     rows = {v.prefix: next(line for line in text.splitlines() if f'"{v.prefix}"' in line) for v in (sm90, hd96)}
-    assert rows[sm90.prefix].endswith(", 128, 128, 1},") and rows[hd96.prefix].endswith(", 2},")
+    assert rows[sm90.prefix].endswith(", 128, 128, 1, 0},") and rows[hd96.prefix].endswith(", 2, 0},")
 
 
 def test_dense_queue_policy():
