@@ -59,24 +59,26 @@ def unsupported_reason(problem, q, bias, mask) -> str | None:
 def block_summary(mask):
   """``(tile_map, row_range, col_range)`` of a boolean mask ``[Bx, Hx, Tx, S]`` (module docstring).
 
-  One pass over the mask: the padding of the last block row / column counts as neither visible nor
-  hidden (``any`` pads with False, ``all`` with True)."""
+  One pass over the mask; cells past the tensor's end (the last block row / column) count as neither
+  visible nor hidden."""
   bx, hx, tx, s = mask.shape
   mx, nx = -(-tx // MAP_ROWS), -(-s // MAP_COLS)
 
-  def blocks(reduce, fill):
-    # Keys first (the contiguous axis), then rows: two reductions XLA streams at memory speed, where one
-    # over a 6-D view's axes (3, 5) measured ~8x slower (H100: 0.215 ms for a [4, 1, 4096, 4096] mask).
-    x = mask
-    if s % MAP_COLS:
-      x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, nx * MAP_COLS - s)), constant_values=fill)
-    x = reduce(x.reshape(bx, hx, tx, nx, MAP_COLS), axis=4)
-    if tx % MAP_ROWS:
-      x = jnp.pad(x, ((0, 0), (0, 0), (0, mx * MAP_ROWS - tx), (0, 0)), constant_values=fill)
-    return reduce(x.reshape(bx, hx, mx, MAP_ROWS, nx), axis=3)
-
-  any_visible = blocks(jnp.any, False)
-  all_visible = blocks(jnp.all, True)
+  # One pass: the number of visible cells per block (keys first, the contiguous axis, then rows; one
+  # reduction over a 6-D view's axes (3, 5) measured ~3x slower), against the number of the block's cells
+  # inside the tensor.  H100, a [4, 1, 4096, 4096] mask: 0.054 ms, where separate `any` and `all` passes
+  # took 0.067 ms (0.165 / 0.170 ms at 8192).
+  x = mask.astype(jnp.int32)
+  if s % MAP_COLS:
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, nx * MAP_COLS - s)))
+  x = jnp.sum(x.reshape(bx, hx, tx, nx, MAP_COLS), axis=4)
+  if tx % MAP_ROWS:
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, mx * MAP_ROWS - tx), (0, 0)))
+  count = jnp.sum(x.reshape(bx, hx, mx, MAP_ROWS, nx), axis=3)
+  rows_in = jnp.minimum(tx - jnp.arange(mx) * MAP_ROWS, MAP_ROWS)
+  cols_in = jnp.minimum(s - jnp.arange(nx) * MAP_COLS, MAP_COLS)
+  any_visible = count > 0
+  all_visible = count == rows_in[:, None] * cols_in[None, :]
   tile_map = jnp.where(all_visible, VISIBLE, jnp.where(any_visible, MIXED, HIDDEN)).astype(jnp.uint8)
   cols = jnp.arange(nx, dtype=jnp.int32)
   rows = jnp.arange(mx, dtype=jnp.int32)[:, None]
