@@ -342,7 +342,7 @@ def test_partitioned_runs_aux_forward_and_backward():
   mask = jnp.asarray(rng.random((b, 1, t, s)) < 0.8)
   bias = mk(1, n, t, s)
   from jax_padsafe._backends.cute import aux as aux_ops
-  ops = aux_ops.operands(q, bias, mask)
+  ops = aux_ops.operands(bias, mask)
   lens_q, lens_k = jnp.array([16, 5, 0, 9], jnp.int32), jnp.array([20, 3, 7, 0], jnp.int32)
   zero = jnp.zeros((b, 1), jnp.int32)
   runs = (zero, lens_q[:, None], zero, lens_k[:, None])

@@ -342,51 +342,6 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
   return dq, dk, dv, dbias
 
 
-def dbias(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, do, dlse, stats: RowStats):
-  """The gradient of the bias alone, for a backend whose kernels give dQ, dK, dV (the kernels'
-  ``stats``, :func:`row_stats_from_kernels`): two passes over the key blocks, one for Delta =
-  rowsum(P * dP) - dlse, one for dS = P * (dP - Delta) summed over the bias's broadcast dimensions;
-  four matrix products per block pair where :func:`backward` takes seven.  Inputs must be sanitised."""
-  b, t, n, _ = q.shape
-  s_len, num_kv_heads = k.shape[1], k.shape[2]
-  g = n // num_kv_heads
-  dtype = q.dtype
-  q_valid = visibility.row_is_valid(q_seg)
-  do = visibility.zero_invalid_rows(do, q_seg)
-  grouped = lambda x: x.reshape(b, num_kv_heads, g, t)  # noqa: E731
-  has_key = (stats.m != -jnp.inf) & grouped(jnp.broadcast_to(q_valid[:, None, :], (b, n, t)))
-  m_safe = jnp.where(has_key, stats.m, _F32(0))
-  log_l = jnp.where(has_key, stats.log_l, _F32(0))
-  dog = _group_queries(do, num_kv_heads)
-  qg = _group_queries(q, num_kv_heads)
-  xs, whole, block, nblk = _key_blocks(spec, k, v, bias, mask, k_seg, k_pos)
-
-  def probs(blk):
-    s, vis, tanh_s = _block_logits(spec, qg, q_seg, q_pos, {**blk, **whole})
-    p = jnp.where(vis, jnp.exp((s - m_safe[..., None]) - log_l[..., None]), _F32(0))
-    dp = _einsum("btkgh,bskh->bkgts", dog, blk["v"], dtype)
-    return p, dp, vis
-
-  def delta_step(acc, blk):
-    p, dp, vis = probs(blk)
-    return acc + jnp.sum(jnp.where(vis, p * dp, _F32(0)), axis=-1), None
-
-  delta, _ = lax.scan(delta_step, jnp.zeros_like(m_safe), xs)
-  delta = jnp.where(has_key, delta - jnp.where(has_key, grouped(dlse.astype(_F32)), _F32(0)), _F32(0))
-
-  def ds_step(_, blk):
-    p, dp, vis = probs(blk)
-    ds = jnp.where(vis, p * (dp - delta[..., None]), _F32(0))
-    return None, _reduce_to_bias(ds.reshape(b, n, t, ds.shape[-1]), bias.shape)
-
-  _, db = lax.scan(ds_step, None, xs)
-  if bias.shape[-1] == 1:
-    db = jnp.sum(db, axis=0)
-  else:
-    db = jnp.moveaxis(db, 0, -2).reshape(*bias.shape[:-1], nblk * block)[..., :s_len]
-  return db.astype(bias.dtype)
-
-
 def row_stats_from_kernels(o, row_max, log_sum, num_kv_heads) -> RowStats:
   """:class:`RowStats` from the kernels' exact row statistics (``row_max``, ``log_sum`` ``[B, N, T]``:
   ``(0, +inf)`` in valid rows without a visible key, zeros in padded rows).  Without a float32 output

@@ -90,7 +90,7 @@ def block_summary(mask):
   return tile_map, row_range.astype(jnp.int32), col_range.astype(jnp.int32)
 
 
-def operands(q, bias, mask, summary=()) -> AuxOperands:
+def operands(bias, mask, summary=()) -> AuxOperands:
   """The kernels' aux operands for a call with ``bias`` and/or ``mask`` (rank 4, broadcastable);
   ``summary``: the mask's :func:`block_summary` where the forward made it already."""
   has_mask, has_bias = mask is not None, bias is not None
@@ -102,5 +102,4 @@ def operands(q, bias, mask, summary=()) -> AuxOperands:
     row_range = col_range = jnp.zeros((1, 1, 1, 2), jnp.int32)
   if not has_bias:
     bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
-  del q
   return AuxOperands(mask, bias, tile_map, row_range, col_range, has_mask, has_bias)

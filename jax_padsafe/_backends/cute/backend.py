@@ -179,7 +179,7 @@ def cute_forward_with_stats(spec, q, k, v, bias, mask, problem):
 def _aux_forward(spec, q, k, v, bias, mask, problem):
   """The forward with a mask and/or bias on the aux kernels (padded layout with lengths)."""
   b, t, n, _ = q.shape
-  ops = aux_ops.operands(q, bias, mask)
+  ops = aux_ops.operands(bias, mask)
   static = tuple(sorted(dict(_problem_static_args(spec, problem), has_mask=ops.has_mask,
                              has_bias=ops.has_bias).items()))
 
@@ -246,7 +246,7 @@ def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
     return _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse)
   stats, summary = stats[:2], stats[2:]
   row_stats = xla.row_stats_from_kernels(o, *stats, num_kv)
-  ops = aux_ops.operands(q, bias, mask, summary=summary)
+  ops = aux_ops.operands(bias, mask, summary=summary)
   static = tuple(sorted(dict(_problem_static_args(spec, problem), deterministic=spec.deterministic,
                              has_mask=ops.has_mask, has_bias=ops.has_bias).items()))
 
@@ -261,8 +261,7 @@ def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
   dq, dk, dv = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v, o, lse, do, dlse)
   dbias = None
   if bias is not None:
-    qz, kz, vz = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
-    dbias = xla.dbias(spec, qz, kz, vz, bias, mask, *problem.rows(), do, dlse, row_stats)
+    dbias = _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, row_stats)[3]
   return dq, dk, dv, dbias
 
 
