@@ -2,6 +2,7 @@
 mask or bias, in one process.  bf16, B=4, 16 heads (hd128) or 32 (hd64), T = S.
 
     PYTHONPATH=. python benchmarks/bench_masks.py [--out results.json] [--dims 64,128] [--seqs 2048,4096,8192]
+        [--cases mask,bias]
 
 Cases:
 * ``mask``: a causal + key-padding boolean mask ``[B, 1, T, S]`` (the way Flax builds them: make_causal_mask &
@@ -72,6 +73,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_masks.json"))
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--seqs", default="2048,4096,8192")
+    ap.add_argument("--cases", default="mask,bias")
     a = ap.parse_args()
     dev = jax.devices()[0].device_kind
     rows = []
@@ -79,7 +81,7 @@ def main():
         for S in (int(x) for x in a.seqs.split(",")):
             B, N = 4, 2048 // D
             q, k, v, do, lengths, mask, bias = _inputs(B, S, N, D)
-            for case in ("mask", "bias"):
+            for case in a.cases.split(","):
                 extra = mask if case == "mask" else bias
                 row = dict(case=case, head_dim=D, heads=N, seqlen=S, batch=B)
                 for name, make in (("ours", lambda g: ours(case, g)), ("cudnn", lambda g: cudnn(case, g)),

@@ -1,5 +1,6 @@
 // XLA FFI handlers of the backward kernels: targets "jax_padsafe_bwd" and, for masks and biases given as
-// tensors, "jax_padsafe_bwd_aux" (platform CUDA), FFI API of the oldest supported jaxlib (0.10.2 -> 0.3).
+// tensors, "jax_padsafe_bwd_aux" and the bias gradient "jax_padsafe_bwd_dbias" (platform CUDA), FFI API of the
+// oldest supported jaxlib (0.10.2 -> 0.3).
 //   initialize: loads the backward and row-zeroing kernel modules of this device's architecture (once).
 //   execute:    checks the arguments; zero-fills the Delta workspace; picks the variant; gives dq, dk and dv
 //               their zeros (common.h: OutputZeroing); zeroes the Hopper kernels' tile counters where a compact
@@ -17,6 +18,7 @@ namespace {
 namespace ffi = xla::ffi;
 constexpr const char *kTarget = "jax_padsafe_bwd";
 constexpr const char *kAuxTarget = "jax_padsafe_bwd_aux";
+constexpr const char *kDBiasTarget = "jax_padsafe_bwd_dbias";
 
 jps::ArchLoader g_loader;
 
@@ -145,6 +147,8 @@ ffi::Error Backward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, f
     // plain kernels' scores and their score_mul.
     if (p.aux == jps::kAuxKindBias) a.score_mul = scale;
   }
+  // The bias kind's dQ kernel, last, leaves rowsum(P dP) of the P and dP it recomputes in the Delta workspace
+  // (bwd_scores.store_exact_delta), for the bias gradient.
   int32_t rc = var->pre(var->pre_module, &a, stream);
   if (rc == 0) rc = var->dkdv(var->dkdv_module, &a, stream);         // dK and dV, or the dV pass
   if (rc == 0 && var->dk) rc = var->dk(var->dk_module, &a, stream);  // the dK pass (head_dim > 128, SM80-class)
@@ -185,9 +189,79 @@ ffi::Error BwdAuxExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                   max_seqlen_k, rows_covered, &aux);
 }
 
+// dbias, the bias gradient, summed over the bias's broadcast batch and head dimensions.  A target of its own (not
+// a result of the backward) so that XLA drops it wherever the bias gets no gradient.  It takes the backward's
+// Delta and the forward's exact row statistics and recomputes dS per visible tile; every cell of dbias is
+// written by one CTA (the kernel loops over the (sequence, head) pairs of its bias slice in a fixed order), so
+// it needs no memset and is deterministic.
+ffi::Error DBiasExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> cu_q,
+                        ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q, ffi::Buffer<ffi::S32> used_k,
+                        ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer tile_map, ffi::AnyBuffer row_range,
+                        ffi::AnyBuffer col_range, ffi::Buffer<ffi::F32> row_max, ffi::Buffer<ffi::F32> log_sum,
+                        ffi::Result<ffi::AnyBuffer> dbias, float scale, int32_t window_left, int32_t window_right,
+                        int32_t causal, int32_t bottom_right, int32_t max_seqlen_q, int32_t max_seqlen_k,
+                        int32_t has_mask) {
+  const char *target = kDBiasTarget;
+  jps::Problem p{};
+  if (ffi::Error e = jps::CheckProblem(target, q, k, v, cu_q, cu_k, used_q, used_k, scale, 0.0f, max_seqlen_q,
+                                       max_seqlen_k, &p);
+      e.failure())
+    return e;
+  int32_t aux_flags = 0;
+  const jps::AuxOperands ops{&mask, &bias, &tile_map, &row_range, &col_range, has_mask != 0, true};
+  if (ffi::Error e = jps::CheckAux(target, p, q.element_type(), ops, &aux_flags); e.failure()) return e;
+  p.aux = jps::kAuxKindBias;
+  const int64_t total_q = p.total_q, N = p.num_heads, H = p.head_dim, B = p.batch;
+  const int64_t T = total_q / B, S = p.total_k / B;
+  auto bd = bias.dimensions();
+  if (bd[2] != T)
+    return jps::InvalidArgument(target, "the bias gradient needs a bias with a row per query ([Bx, Hx, T, S])");
+  auto dd = dbias->dimensions();
+  if (dbias->element_type() != bias.element_type() || dd.size() != 4 || dd[0] != bd[0] || dd[1] != bd[1] ||
+      dd[2] != bd[2] || dd[3] != bd[3])
+    return jps::InvalidArgument(target, "dbias must have the bias's shape and dtype");
+  if (!jps::HasShape(dout.dimensions(), total_q, N, H) || dout.element_type() != q.element_type())
+    return jps::InvalidArgument(target, "do must have q's shape and dtype");
+  for (const ffi::Buffer<ffi::F32> *x : {&delta, &row_max, &log_sum})
+    if (!jps::HasShape(x->dimensions(), N, total_q))
+      return jps::InvalidArgument(target, "Delta and the row statistics must be [N, total_q]");
+  if (dbias->size_bytes() == 0) return ffi::Error::Success();
+  if (total_q == 0 || p.total_k == 0 || N == 0) return jps::Zero(target, stream, dbias->untyped_data(), dbias->size_bytes());
+
+  int arch = 0;
+  if (ffi::Error e = CurrentArch(&arch); e.failure()) return e;
+  if (ffi::Error e = LoadModules(arch); e.failure()) return e;
+  const JpsBwdVariant *var = nullptr;
+  if (ffi::Error e = jps::FindVariant(target, "backward", kJpsBwdVariants, kJpsNumBwdVariants, arch, p,
+                                      [](const JpsBwdVariant &x) { return x.dbias != nullptr; }, &var);
+      e.failure())
+    return e;
+
+  JpsBwdArgs a{};
+  jps::FillCommonArgs(&a, p, q, k, v, cu_q, cu_k, used_q, used_k, scale, 0.0f, window_left, window_right, causal,
+                      bottom_right, int32_t(T));
+  a.dout = dout.untyped_data();
+  a.delta = const_cast<float *>(delta.typed_data());
+  a.max_seqlen_k = int32_t(S);
+  jps::FillAuxArgs(&a, ops, aux_flags, const_cast<float *>(row_max.typed_data()),
+                   const_cast<float *>(log_sum.typed_data()));
+  a.score_mul = scale;  // natural-unit scores, as the bias kind's other kernels
+  // dbias takes the bias's slot: the live one its dims, the other the placeholder (never written).
+  a.dbias = a.dbias32 = dbias->untyped_data();
+  for (int i = 0; i < 4; ++i) {
+    a.dbias_dims[i] = a.bias_dims[i];
+    a.dbias32_dims[i] = a.bias32_dims[i];
+  }
+  const int32_t rc = var->dbias(var->dbias_module, &a, stream);
+  if (rc != 0) return jps::CudaError(target, std::string("launch of ") + var->name + "_dbias", cudaError_t(rc));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 JPS_EXPORT XLA_FFI_Error *jps_bwd_initialize(XLA_FFI_CallFrame *call_frame);
+JPS_EXPORT XLA_FFI_Error *jps_bwd_dbias_execute(XLA_FFI_CallFrame *call_frame);
 JPS_EXPORT XLA_FFI_Error *jps_bwd_execute(XLA_FFI_CallFrame *call_frame);
 JPS_EXPORT XLA_FFI_Error *jps_bwd_aux_execute(XLA_FFI_CallFrame *call_frame);
 
@@ -267,6 +341,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_aux_execute, BwdAuxExecute,
                                   .Attr<int32_t>("has_bias"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+// The bias gradient target (initialize: jps_bwd_initialize).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_dbias_execute, DBiasExecute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()             // q
+                                  .Arg<ffi::AnyBuffer>()             // k
+                                  .Arg<ffi::AnyBuffer>()             // v
+                                  .Arg<ffi::AnyBuffer>()             // do
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // Delta [N, total_q] (the backward's)
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // cu_seqlens_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // cu_seqlens_k
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // seqused_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // seqused_k
+                                  .Arg<ffi::AnyBuffer>()             // mask [Bx, Hx, Tx, S] bool
+                                  .Arg<ffi::AnyBuffer>()             // bias [Bx, Hx, T, S] q's dtype | float32
+                                  .Arg<ffi::AnyBuffer>()             // the mask's block map
+                                  .Arg<ffi::AnyBuffer>()             // its row ranges
+                                  .Arg<ffi::AnyBuffer>()             // its column ranges
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // the forward's row max [N, total_q]
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // the forward's ln of the row sum [N, total_q]
+                                  .Ret<ffi::AnyBuffer>()             // dbias: the bias's shape and dtype
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right")
+                                  .Attr<int32_t>("causal")
+                                  .Attr<int32_t>("bottom_right")
+                                  .Attr<int32_t>("max_seqlen_q")
+                                  .Attr<int32_t>("max_seqlen_k")
+                                  .Attr<int32_t>("has_mask"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 // The built variant table, for the Python side (built_variants, unsupported_reason).
 JPS_EXPORT int jps_num_bwd_variants() { return kJpsNumBwdVariants; }
 JPS_EXPORT int jps_bwd_variant(int i, int *arch, int *dtype, int *head_dim, int *softcap) {
@@ -281,4 +386,9 @@ JPS_EXPORT int jps_bwd_variant(int i, int *arch, int *dtype, int *head_dim, int 
 JPS_EXPORT int jps_bwd_variant_aux(int i) {
   if (i < 0 || i >= kJpsNumBwdVariants) return -1;
   return kJpsBwdVariants[i].aux;
+}
+// 1 where the variant has the bias gradient kernel (the bias kind), 0 where not, -1 out of range.
+JPS_EXPORT int jps_bwd_variant_dbias(int i) {
+  if (i < 0 || i >= kJpsNumBwdVariants) return -1;
+  return kJpsBwdVariants[i].dbias != nullptr;
 }

@@ -26,6 +26,10 @@ struct JpsBwdArgs {
   int32_t mask_dims[4], bias_dims[4], bias32_dims[4], map_dims[4], row_range_dims[4], col_range_dims[4];
   float *row_max, *log_sum;  // [N, total_q]: the forward writes them, the backward reads them
   int32_t aux_flags;         // aux_scores.FLAG_*: 1 mask, 2 bias (input dtype), 4 bias (float32)
+  // The bias gradient kernel only: dbias with the bias's shape [Bx, Hx, T, S], in the input dtype (dbias) or in
+  // float32 (dbias32), as the bias; the other points at it with sizes (1, 1, 1, 1) and is never written.
+  void *dbias, *dbias32;
+  int32_t dbias_dims[4], dbias32_dims[4];
 };
 
 typedef int32_t (*JpsBwdLaunchFn)(void *module, const JpsBwdArgs *args, cudaStream_t stream);
@@ -53,4 +57,8 @@ struct JpsBwdVariant {
   // bit 1: dQ; read off the compiled kernels by the build): then every call needs zeroed tile counters.
   int queue_all;
   int aux;  // 0: plain; the dK/dV and dQ kernels take the aux arguments: 1 the mask kind, 2 the bias kind
+  // The bias kind: the bias gradient kernel (sm80/bwd_dbias.py, in both families), launched by its own target
+  // after the backward (its Delta); null otherwise.
+  void *dbias_module;
+  JpsBwdLaunchFn dbias;
 };

@@ -37,5 +37,6 @@ def kernels_built(monkeypatch):
   library._load.cache_clear()
   monkeypatch.setattr(library, "library_available", lambda: True)
   monkeypatch.setattr(library, "backward_available", lambda: True)
+  monkeypatch.setattr(library, "dbias_available", lambda dtype, head_dim: True)
   yield
   library._load.cache_clear()

@@ -158,8 +158,9 @@ def test_unsupported_falls_back_or_raises(kernels_built, case):
 
 @pytest.mark.parametrize("case", ["causal_padding_mask", "bias_f32", "bias_bf16_per_head", "mask_and_bias"])
 def test_mask_and_bias_lower_to_the_aux_kernels(kernels_built, case):
-  """Masks and biases of the padded layout go to the aux targets, forward and backward; dbias (when the
-  bias is differentiated) comes from the pure-JAX backward beside the kernel call."""
+  """Masks and biases of the padded layout go to the aux targets, forward and backward; dbias comes from
+  the bias gradient target only when the bias is differentiated (from the pure-JAX backward for a bias
+  broadcast over queries)."""
   q, k, v = _qkv(h=64)
   kw = {}
   if case in ("causal_padding_mask", "mask_and_bias"):
@@ -174,6 +175,14 @@ def test_mask_and_bias_lower_to_the_aux_kernels(kernels_built, case):
   loss = lambda q, k, v: f(q, k, v).astype(jnp.float32).sum()
   grad_targets = _targets(_lowered(jax.grad(loss, (0, 1, 2)), q, k, v))
   assert "jax_padsafe_bwd_aux" in grad_targets and "jax_padsafe_bwd" not in grad_targets
+  assert "jax_padsafe_bwd_dbias" not in grad_targets
+  if "bias" in kw:
+    bias = kw.pop("bias")
+    loss_b = lambda q, k, v, bias: jax_padsafe.dot_product_attention(
+        q, k, v, bias, implementation="cute", **kw).astype(jnp.float32).sum()
+    grads = _targets(_lowered(jax.grad(loss_b, (0, 1, 2, 3)), q, k, v, bias))
+    per_query = bias.shape[2] == q.shape[1]
+    assert grads.count("jax_padsafe_bwd_dbias") == int(per_query) and "jax_padsafe_bwd_aux" in grads
 
 
 def test_xla_never_uses_kernels(kernels_built):

@@ -372,6 +372,50 @@ def test_partitioned_runs_aux_forward_and_backward():
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def _standin_dbias(q, k, v, do, delta, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range, col_range,
+                   row_max, log_sum, *, has_mask, has_bias, **static):
+  """A stand-in of the bias gradient's signature: the bias's VJP of the stand-in forward."""
+  del delta, row_max, log_sum
+  f = lambda bias: _standin_aux_forward(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_map,  # noqa
+                                        row_range, col_range, has_mask=has_mask, has_bias=has_bias)[0]
+  _, vjp = jax.vjp(f, bias)
+  return vjp(do)[0]
+
+
+@pytest.mark.parametrize("bias_batch", [1, 4], ids=["shared_bias", "per_sequence_bias"])
+def test_partitioned_runs_dbias(bias_batch):
+  """The bias gradient under batch and head sharding: a bias given per sequence and head splits with the
+  call (shard-local); one shared by the batch is summed over the batch, so the batch is not split for it
+  (every shard computes the sum: never a partial sum)."""
+  rng = np.random.default_rng(53)
+  mesh = make_mesh((2, 2), ("data", "model"))
+  b, t, s, n, kh, h = 4, 16, 20, 8, 2, 8
+  mk = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+  q, k, v, do = mk(b, t, n, h), mk(b, s, kh, h), mk(b, s, kh, h), mk(b, t, n, h)
+  mask = jnp.asarray(rng.random((b, 1, t, s)) < 0.8)
+  bias = mk(bias_batch, n, t, s)
+  from jax_padsafe._backends.cute import aux as aux_ops
+  ops = aux_ops.operands(bias, mask)
+  lens_q, lens_k = jnp.array([16, 5, 0, 9], jnp.int32), jnp.array([20, 3, 7, 0], jnp.int32)
+  zero = jnp.zeros((b, 1), jnp.int32)
+  runs = (zero, lens_q[:, None], zero, lens_k[:, None])
+  static = dict(_STATIC, has_mask=True, has_bias=True)
+  dbias = _partitioning.packed_dbias_to_runs(_standin_dbias)
+  stats = (mk(b, n, t),) * 3  # delta, row max, log sum: unused by the stand-in
+  args = (q, k, v, do, stats[0]) + runs + tuple(ops[:5]) + stats[1:]
+  expected = dbias(*args, **static)
+  assert expected.shape == bias.shape
+  qs, kvs, ls, rs = P("data", None, "model"), P("data", None, "model"), P("data", "model"), P("data")
+  bias_spec = P("data", "model") if bias_batch == b else P(None, "model")
+  specs = (qs, kvs, kvs, qs, ls) + (rs,) * 4 + (P("data"), bias_spec, P("data"), P("data"), P("data")) + (ls, ls)
+  fn = _partitioning.partition_runs_dbias(dbias)
+  compiled, hlo = compile_for(lambda *a: fn(*a, **static), mesh, args, specs)
+  if bias_batch == b:
+    assert collectives(hlo) == [], "a per-sequence, per-head bias gradient must run shard-local"
+  got = compiled(*[place(a, mesh, sp) for a, sp in zip(args, specs)])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
 def test_partitioned_forward_explicit_mesh():
   """The mechanism on a mesh with Explicit axes (jax.make_mesh's default from jax 0.10)."""
   rng = np.random.default_rng(3)

@@ -107,15 +107,34 @@ def test_backward_adapters_pass_tile_counters_to_the_sm90_family_only(tmp_path):
         assert "tile_counters" not in adapter(fams["sm80"], kind)
     rows = {v.prefix: next(line for line in text.splitlines() if f'"{v.prefix}"' in line) for v in fams.values()}
     # hd128: both kernels queue every layout (queue_all = 3), so every call zeroes the counters.
-    assert rows[sm90.prefix].endswith('"%s", 1, 0, 0, 128, 128, 3, 0},' % sm90.prefix)
-    assert rows[fams["sm80"].prefix].endswith(", 0, 0, 0, 0, 0, 0},")
+    assert rows[sm90.prefix].endswith('"%s", 1, 0, 0, 128, 128, 3, 0, 0, 0},' % sm90.prefix)
+    assert rows[fams["sm80"].prefix].endswith(", 0, 0, 0, 0, 0, 0, 0, 0},")
     # The bits the build read off the compiled kernels (`families.compile_variant`) win over the tuning table, so
     # the row always describes the kernels that were linked.
     hd96 = V.Variant("bwd", "sm_90a", "bf16", 96, False, "sm90")
     registry.write(str(tmp_path), [sm90, hd96], {sm90.prefix: 1, hd96.prefix: 2})
     text = (tmp_path / "jps_bwd_registry.h").read_text()
     rows = {v.prefix: next(line for line in text.splitlines() if f'"{v.prefix}"' in line) for v in (sm90, hd96)}
-    assert rows[sm90.prefix].endswith(", 128, 128, 1, 0},") and rows[hd96.prefix].endswith(", 2, 0},")
+    assert rows[sm90.prefix].endswith(", 128, 128, 1, 0, 0, 0},") and rows[hd96.prefix].endswith(", 2, 0, 0, 0},")
+
+
+def test_bias_variants_carry_the_bias_gradient_kernel(tmp_path):
+    """The "bias" kind's backward exports the bias gradient kernel (the SM80-class one, in both families) after
+    dQ, and its registry row points at it; the other kinds carry null there."""
+    for fam in ("sm80", "sm90"):
+        bias = V.Variant("bwd", "sm_90a", "bf16", 128, False, fam, "bias")
+        mask = V.Variant("bwd", "sm_90a", "bf16", 128, False, fam, "mask")
+        assert bias.kernels[-1] == "dbias" and "dbias" not in mask.kernels
+        assert bias.options["dbias"] == V.dbias_tile("sm_90a", 128)
+        registry.write(str(tmp_path), [mask, bias])
+        text = (tmp_path / "jps_bwd_registry.h").read_text()
+        row = next(line for line in text.splitlines() if f'"{bias.prefix}"' in line)
+        assert row.endswith(f", 2, &{bias.prefix}_dbias_module, &{bias.prefix}_dbias_launch}},")
+        row = next(line for line in text.splitlines() if f'"{mask.prefix}"' in line)
+        assert row.endswith(", 1, 0, 0},")
+        assert f"{bias.prefix}_dbias_Tensor_mdBias32_t dbias32 = {{a->dbias32, {{a->dbias32_dims[0]" in text
+    # Two stages of Q, dO, K and V where they fit a block: sm_80's 163 KB takes one at head dim 256.
+    assert V.dbias_tile("sm_90a", 256)[3] == 2 and V.dbias_tile("sm_80", 256)[3] == 1
 
 
 def test_dense_queue_policy():

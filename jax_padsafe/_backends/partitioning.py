@@ -45,7 +45,8 @@ from jax_padsafe._core import problem as canonical
 __all__ = ["partition_packed_forward", "partition_padded_forward", "partition_runs_forward",
            "partition_packed_backward", "partition_runs_backward", "packed_to_padded",
            "packed_to_runs", "packed_backward_to_runs", "partition_runs_forward_aux",
-           "partition_runs_backward_aux", "packed_to_runs_aux", "packed_backward_to_runs_aux"]
+           "partition_runs_backward_aux", "packed_to_runs_aux", "packed_backward_to_runs_aux",
+           "partition_runs_dbias", "packed_dbias_to_runs"]
 
 # Per-dimension roles: "b" batch (shardable), "n" query heads, "k" key/value heads, None: never split.
 _PACKED_ARGS = ((None, "n", None), (None, "k", None), (None, "k", None), (None,), (None,),
@@ -82,6 +83,11 @@ _RUNS_AUX_OUTS = _PADDED_OUTS + (("b", "n", None),) * 2
 _RUNS_AUX_OUT_RULE = ", b (k g) t, b (k g) t"
 _RUNS_BWD_STATS = (("b", "n", None),) * 2
 _RUNS_BWD_STATS_RULE = ", b (k g) t, b (k g) t"
+
+# The bias gradient (q, k, v, do, Delta, the runs, the aux operands, the statistics -> dbias): dbias has the
+# bias's shape, so its roles and rule term are the bias's; a dimension the bias broadcasts is summed over.
+_RUNS_DBIAS_ARGS = (_BQ, _BKV, _BKV, _BQ, _BLSE) + (("b", None),) * 4
+_RUNS_DBIAS_RULE = "b t (k g) h, b s k h, b s k h, b t (k g) h, b (k g) t, b r, b r, b r, b r -> "
 
 _HEAD_MODES = ("reshard", "strict")
 
@@ -192,6 +198,44 @@ def packed_backward_to_runs_aux(packed_bwd):
   return padded
 
 
+def packed_backward_delta_to_runs_aux(packed_bwd):
+  """:func:`packed_backward_to_runs_aux` for a backward that also returns its Delta ``[N, B*T]``, as
+  ``[B, N, T]`` (the bias gradient's input)."""
+
+  @functools.wraps(packed_bwd)
+  def padded(q, k, v, o, lse, do, dlse, q_start, q_used, k_start, k_used, mask, bias, tile_map, row_range,
+             col_range, row_max, log_sum, **static):
+    b, t, n, h = q.shape
+    s = k.shape[1]
+    view = canonical.packed_view(canonical.Runs(q_start, q_used, k_start, k_used), t, s)
+    flat = lambda x, rows: x.reshape((b * rows,) + x.shape[2:])
+    dq, dk, dv, delta = packed_bwd(
+        flat(q, t), flat(k, s), flat(v, s), flat(o, t), _batch_to_rows(lse), flat(do, t),
+        _batch_to_rows(dlse), *view, mask, bias, tile_map, row_range, col_range, _batch_to_rows(row_max),
+        _batch_to_rows(log_sum), **static)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), _rows_to_batch(delta, b, t)
+
+  return padded
+
+
+def packed_dbias_to_runs(packed_fn):
+  """The bias gradient on the padded layout: ``fn(q, k, v, do, delta, q_start, q_used, k_start, k_used,
+  mask, bias, tile_map, row_range, col_range, row_max, log_sum, **static) -> dbias`` (Delta and the
+  statistics ``[B, N, T]``); the packed function takes them ``[N, B*T]``."""
+
+  @functools.wraps(packed_fn)
+  def padded(q, k, v, do, delta, q_start, q_used, k_start, k_used, mask, bias, tile_map, row_range, col_range,
+             row_max, log_sum, **static):
+    b, t, n, h = q.shape
+    s = k.shape[1]
+    view = canonical.packed_view(canonical.Runs(q_start, q_used, k_start, k_used), t, s)
+    flat = lambda x, rows: x.reshape((b * rows,) + x.shape[2:])
+    return packed_fn(flat(q, t), flat(k, s), flat(v, s), flat(do, t), _batch_to_rows(delta), *view, mask, bias,
+                     tile_map, row_range, col_range, _batch_to_rows(row_max), _batch_to_rows(log_sum), **static)
+
+  return padded
+
+
 def _rows_to_batch(x, b, t):  # [N, B*T] -> [B, N, T]
   return x.reshape(x.shape[0], b, t).transpose(1, 0, 2)
 
@@ -236,6 +280,24 @@ def partition_runs_backward_aux(fn, *, head_sharding: str = "reshard"):
                aux_at=len(_RUNS_BWD_ARGS), aux_tail=(_RUNS_BWD_STATS, _RUNS_BWD_STATS_RULE))
 
 
+def partition_runs_backward_delta_aux(fn, *, head_sharding: str = "reshard"):
+  """:func:`partition_runs_backward_aux` for :func:`packed_backward_delta_to_runs_aux` (Delta
+  ``[B, N, T]`` as a fourth result, split like the statistics)."""
+  return _wrap(fn, _RUNS_BWD_ARGS, _RUNS_BWD_OUTS + (("b", "n", None),), _RUNS_BWD_RULE + ", b (k g) t",
+               _PADDED_REPLICATED + ("r",), head_sharding, heads_of=lambda q, k: (q.shape[2], k.shape[2]),
+               sums_over_heads=True, aux_at=len(_RUNS_BWD_ARGS), aux_tail=(_RUNS_BWD_STATS, _RUNS_BWD_STATS_RULE))
+
+
+def partition_runs_dbias(fn, *, head_sharding: str = "reshard"):
+  """Wrap a runs bias gradient (:func:`packed_dbias_to_runs`) for batch/head sharding: dbias splits with
+  the call where the bias's batch / head dimension is the call's; a dimension the bias broadcasts (size
+  1) is summed over, so a call sharded along it is re-sharded to replicated there (every shard then
+  computes the whole sum; XLA gathers the operands)."""
+  return _wrap(fn, _RUNS_DBIAS_ARGS, None, _RUNS_DBIAS_RULE, _PADDED_REPLICATED + ("r",), head_sharding,
+               heads_of=lambda q, k: (q.shape[2], k.shape[2]), sums_over_heads=True,
+               aux_at=len(_RUNS_DBIAS_ARGS), aux_tail=(_RUNS_BWD_STATS, _RUNS_BWD_STATS_RULE), out_aux=1)
+
+
 # --------------------------------------------------------------------------------------------------
 
 def _aux_terms(shapes, b, n):
@@ -258,7 +320,10 @@ def _aux_terms(shapes, b, n):
 
 
 def _wrap(fn, arg_roles, out_roles, rule, replicated, head_sharding, heads_of,
-          sums_over_heads=False, aux_at=None, aux_tail=None):
+          sums_over_heads=False, aux_at=None, aux_tail=None, out_aux=None):
+  """``out_aux``: the one result has the roles and rule term of aux operand ``out_aux`` (``out_roles``
+  and the rule's right-hand side are then unused); the call dimensions that operand does not carry are
+  reduced over, so they are never split."""
   if head_sharding not in _HEAD_MODES:
     raise ValueError(f"head_sharding must be one of {_HEAD_MODES}, got {head_sharding!r}")
 
@@ -266,6 +331,7 @@ def _wrap(fn, arg_roles, out_roles, rule, replicated, head_sharding, heads_of,
   def wrapped(*args, **static):
     args = tuple(jnp.asarray(a) for a in args)
     roles_all, rule_all, replicated_all = arg_roles, rule, replicated
+    outs, reduce = out_roles, ()
     if aux_at is not None:
       # The aux operands (5: mask, bias, block map, row and column ranges), then, for the backward, the
       # forward's statistics: roles and rule terms from their shapes.
@@ -275,8 +341,14 @@ def _wrap(fn, arg_roles, out_roles, rule, replicated, head_sharding, heads_of,
       tail_roles, tail_rule = aux_tail or ((), "")
       roles_all = arg_roles + aux_roles + tail_roles
       lhs, rhs = rule.split(" -> ")
+      reduce = ()
+      outs = out_roles
+      if out_aux is not None:
+        outs = (aux_roles[out_aux],)
+        rhs = aux_rule.split(", ")[1 + out_aux]
+        reduce = tuple(r for r in ("b", "n") if r not in aux_roles[out_aux])
       rule_all = f"{lhs}{aux_rule}{tail_rule} -> {rhs}"
-      replicated_all = replicated + own
+      replicated_all = replicated + own + (("b",) if "b" in reduce else ()) + (("k", "g") if "n" in reduce else ())
     if len(args) != len(roles_all):
       raise TypeError(f"{fn.__name__} takes {len(roles_all)} array arguments, got {len(args)}")
     for a, roles in zip(args, roles_all):
@@ -285,8 +357,8 @@ def _wrap(fn, arg_roles, out_roles, rule, replicated, head_sharding, heads_of,
     n, nk = heads_of(args[0], args[1])
     if nk <= 0 or n % nk:
       raise ValueError(f"{fn.__name__}: query heads ({n}) must be a multiple of key/value heads ({nk})")
-    op = _build(fn, tuple(sorted(static.items())), roles_all, out_roles, rule_all, replicated_all,
-                head_sharding, n // nk, nk == 1, sums_over_heads)
+    op = _build(fn, tuple(sorted(static.items())), roles_all, outs, rule_all, replicated_all,
+                head_sharding, n // nk, nk == 1, sums_over_heads, reduce)
     return op(*args)
 
   return wrapped
@@ -294,7 +366,7 @@ def _wrap(fn, arg_roles, out_roles, rule, replicated, head_sharding, heads_of,
 
 @functools.lru_cache(maxsize=None)
 def _build(fn, static_items, arg_roles, out_roles, rule, replicated, head_sharding, group, mqa,
-           sums_over_heads):
+           sums_over_heads, reduce=()):
   from jax.experimental.custom_partitioning import custom_partitioning  # pylint: disable=g-import-not-at-top
   static = dict(static_items)
 
@@ -332,6 +404,10 @@ def _build(fn, static_items, arg_roles, out_roles, rule, replicated, head_shardi
               "must hold whole groups, so the number of key/value heads must be a multiple of the "
               "number of head shards (or be 1). Shard the heads fewer ways.")
         head_axes = kv_axes = None   # documented re-shard: heads replicated
+    if "b" in reduce:
+      batch_axes = None  # the result sums over the batch: every shard takes the whole batch
+    if "n" in reduce:
+      head_axes = kv_axes = None
     return batch_axes, head_axes, kv_axes
 
   def shardings(mesh, roles_list, batch_axes, head_axes, kv_axes):
@@ -343,12 +419,13 @@ def _build(fn, static_items, arg_roles, out_roles, rule, replicated, head_shardi
     batch_axes, head_axes, kv_axes = decide(mesh, arg_shapes)
     arg_sh = shardings(mesh, arg_roles, batch_axes, head_axes, kv_axes)
     out_sh = shardings(mesh, out_roles, batch_axes, head_axes, kv_axes)
-    return mesh, call, out_sh, arg_sh
+    return mesh, call, out_sh[0] if len(out_roles) == 1 else out_sh, arg_sh
 
   def infer(mesh, arg_shapes, result_shape):
     del result_shape
     batch_axes, head_axes, kv_axes = decide(mesh, arg_shapes)
-    return shardings(mesh, out_roles, batch_axes, head_axes, kv_axes)
+    out_sh = shardings(mesh, out_roles, batch_axes, head_axes, kv_axes)
+    return out_sh[0] if len(out_roles) == 1 else out_sh  # a single result takes a single sharding
 
   rule, factor_sizes = _specialise_rule(rule, group, mqa)
   if mqa and sums_over_heads:

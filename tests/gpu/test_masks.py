@@ -47,7 +47,7 @@ def _mask(kind, rng, b, n, t, s, q_len, kv_len):
 def _bias(kind, rng, b, n, t, s):
   if kind == "none":
     return None
-  shape = {"f32_heads": (1, n, t, s), "full": (b, n, t, s), "per_key": (b, 1, 1, s)}[kind]
+  shape = {"f32_heads": (1, n, t, s), "full": (b, n, t, s), "shared": (1, 1, t, s), "per_key": (b, 1, 1, s)}[kind]
   bias = 2.0 * rng.standard_normal(shape)
   bias[rng.random(shape) < 0.05] = -np.inf  # -inf hides a key exactly like the mask
   return bias
@@ -65,12 +65,13 @@ def test_masks(h, mask_kind):
   helpers.check_problem(p, jnp.bfloat16, "cute", seed=h, poisons=("nan", "huge", "-inf"))
 
 
-@pytest.mark.parametrize("bias_kind", ["f32_heads", "full", "per_key"])
+@pytest.mark.parametrize("bias_kind", ["f32_heads", "full", "shared", "per_key"])
 @pytest.mark.parametrize("with_mask", [False, True], ids=["bias", "bias_and_mask"])
 @pytest.mark.parametrize("dtype,h", [("bf16", 64), ("bf16", 128), ("fp16", 256)], ids=["bf16-hd64", "bf16-hd128",
                                                                                         "fp16-hd256"])
 def test_biases(dtype, h, with_mask, bias_kind):
-  """Biases of float32 and of the input dtype, with dbias (summed over the broadcast dimensions)."""
+  """Biases of float32 and of the input dtype, with dbias (summed over the broadcast dimensions: on the bias
+  gradient kernel, and for the per-key bias on the pure-JAX path)."""
   rng = np.random.default_rng(h + 7)
   b, t, s = 2, 129, 200
   q_len, kv_len = [129, 70], [200, 1]
@@ -111,6 +112,19 @@ def test_huge_finite_bias(value):
   helpers.check_problem(p, jnp.bfloat16, "cute", seed=3, poisons=("nan",))
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_dbias_with_values_sharing_a_large_component(dtype):
+  """dbias = P (dP - Delta) is a small difference of large terms when the values share a large component
+  (v = 4 + N(0, 1)): Delta must be rowsum(P dP) of the P and dP the backward recomputes, not rowsum(dO O) of
+  the output rounded to the input dtype (that rounding would be all of the difference)."""
+  rng = np.random.default_rng(17)
+  b, t, s = 3, 200, 260
+  p = random_problem(rng, b=b, t=t, s=s, n=4, k=2, h=64, q_len=[200, 131, 7], kv_len=[260, 190, 260])
+  p.v = 4.0 + p.v
+  p.bias = np.asarray(jnp.asarray(rng.standard_normal((1, 4, t, s)), jnp.float32))
+  helpers.check_problem(p, cases.DTYPES[dtype], "cute", seed=17, poisons=("nan",))
+
+
 def test_lowers_to_aux_kernels_forward_and_backward():
   """The calls above run on the kernels both ways (no silent pure-JAX backward), and dbias work appears only
   when the bias is differentiated."""
@@ -130,6 +144,8 @@ def test_lowers_to_aux_kernels_forward_and_backward():
   assert fwd.count("jax_padsafe_fwd_aux") == 1
   grads = targets(jax.grad(loss, (0, 1, 2)))
   assert "jax_padsafe_fwd_aux" in grads and "jax_padsafe_bwd_aux" in grads
+  assert "jax_padsafe_bwd_dbias" not in grads
+  assert targets(jax.grad(loss, (0, 1, 2, 3))).count("jax_padsafe_bwd_dbias") == 1
 
 
 def test_mask_costs_what_lengths_cost_in_tiles():

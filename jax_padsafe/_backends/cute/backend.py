@@ -12,7 +12,8 @@ A mask or bias goes to the kernels' aux variants (``aux``), on the padded layout
 and head shardable like the other calls (the mask and bias split with the call where their batch /
 head dimension is the call's, else every shard reads the one copy). Their forward also returns the
 exact row statistics (max and log-sum apart), which the backward kernels read; ``dbias`` comes from
-the pure-JAX backward, computed only where it is used (XLA removes it when the bias gets no gradient).
+a kernel call of its own after the backward (summed over the bias's broadcast dimensions), computed only
+where it is used (XLA removes it when the bias gets no gradient).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def _partitioned_kernel(kind: str):
   return {
       "fwd_aux_runs": lambda: P.partition_runs_forward_aux(P.packed_to_runs_aux(_fwd_aux_packed)),
       "bwd_aux_runs": lambda: P.partition_runs_backward_aux(P.packed_backward_to_runs_aux(_bwd_aux_packed)),
+      "bwd_aux_delta_runs": lambda: P.partition_runs_backward_delta_aux(
+          P.packed_backward_delta_to_runs_aux(functools.partial(_bwd_aux_packed, return_delta=True))),
+      "dbias_runs": lambda: P.partition_runs_dbias(P.packed_dbias_to_runs(_dbias_packed)),
       "fwd_packed": lambda: P.partition_packed_forward(fwd),
       "fwd_runs": lambda: P.partition_runs_forward(P.packed_to_runs(fwd)),
       "fwd_split_runs": lambda: P.partition_runs_forward(split_kv.split_kv_to_runs(fwd)),
@@ -91,8 +95,16 @@ def _bwd_aux_packed(q, k, v, o, lse, do, dlse, cu_q, cu_k, used_q, used_k, mask,
                                           aux=ops, stats=(row_max, log_sum))
 
 
+def _dbias_packed(q, k, v, do, delta, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range, col_range,
+                  row_max, log_sum, *, has_mask, has_bias, **static):
+  """``flash_dbias`` with its aux operands and statistics as positional arrays."""
+  ops = aux_ops.AuxOperands(mask, bias, tile_map, row_range, col_range, has_mask, has_bias)
+  return cute_backward_ops.flash_dbias(q, k, v, do, delta, cu_q, cu_k, used_q, used_k, aux=ops,
+                                       stats=(row_max, log_sum), **static)
+
+
 # Positions of the aux operands ([Bx, ...], Bx in {1, B}) among a kernel call's arguments.
-_AUX_POSITIONS = {"fwd_aux_runs": range(7, 12), "bwd_aux_runs": range(11, 16)}
+_AUX_POSITIONS = {"fwd_aux_runs": range(7, 12), "bwd_aux_runs": range(11, 16), "bwd_aux_delta_runs": range(11, 16)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,7 +124,9 @@ def _kernel_call(kind: str, static_items: tuple):
 
   @call.def_vmap
   def call_vmap(axis_size, in_batched, *args):
-    if kind.endswith("packed"):
+    if kind.endswith("packed") or kind == "dbias_runs":
+      # dbias sums over the batch rows its bias broadcasts over: mapped problems cannot be folded into
+      # one batch, so each is its own launch.
       args = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
               for a, batched in zip(args, in_batched)]
       out = lax.map(lambda xs: call(*xs), tuple(args))
@@ -237,7 +251,9 @@ def cute_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats=No
 
 def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
   """The backward of :func:`_aux_forward`: dQ, dK, dV on the aux kernels from its exact row statistics;
-  dbias (when there is a bias) from the pure-JAX backward, which XLA drops where dbias is unused."""
+  dbias (when there is a bias) from the bias gradient kernel (a call of its own, which XLA drops where
+  dbias is unused), or from the pure-JAX backward where that kernel does not apply (a bias broadcast
+  over queries, a library without it)."""
   b, t, n, _ = q.shape
   num_kv = k.shape[2]
   if stats is None or not library.backward_available() or library.unsupported_reason(
@@ -250,18 +266,34 @@ def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
   static = tuple(sorted(dict(_problem_static_args(spec, problem), deterministic=spec.deterministic,
                              has_mask=ops.has_mask, has_bias=ops.has_bias).items()))
 
+  kernel_dbias = bias is not None and bias.shape[2] == t and library.dbias_available(q.dtype, q.shape[-1])
+
   def on_cuda(q, k, v, o, lse, do, dlse):
+    if kernel_dbias:
+      return _kernel_call("bwd_aux_delta_runs", static)(q, k, v, o, lse, do, dlse.astype(jnp.float32),
+                                                        *problem.kernel, *ops[:5], *stats)
     return _kernel_call("bwd_aux_runs", static)(q, k, v, o, lse, do, dlse.astype(jnp.float32), *problem.kernel,
-                                                *ops[:5], *stats)
+                                                *ops[:5], *stats) + (jnp.zeros((b, n, t), jnp.float32),)
 
   def elsewhere(q, k, v, o, lse, do, dlse):
-    return _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, row_stats)[:3]
+    grads = _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, row_stats)[:3]
+    return grads + (jnp.zeros((b, n, t), jnp.float32),)  # Delta: read by the kernels only
 
   do = do.astype(q.dtype)
-  dq, dk, dv = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v, o, lse, do, dlse)
+  dq, dk, dv, delta = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v, o, lse, do, dlse)
   dbias = None
   if bias is not None:
-    dbias = _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, row_stats)[3]
+    def pure_dbias(q, k, v, o, lse, do, dlse, delta):
+      del delta
+      return _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, row_stats)[3]
+
+    def dbias_on_cuda(q, k, v, o, lse, do, dlse, rowsum_p_dp):
+      # The bias kind's dQ kernel leaves rowsum(P dP) of its recomputed P and dP in the Delta workspace.
+      delta = rowsum_p_dp - dlse.astype(jnp.float32)
+      return _kernel_call("dbias_runs", static)(q, k, v, do, delta, *problem.kernel, *ops[:5], *stats)
+
+    dbias = _run_kernel_or_fallback(problem, dbias_on_cuda if kernel_dbias else pure_dbias, pure_dbias,
+                                    q, k, v, o, lse, do, dlse, delta)
   return dq, dk, dv, dbias
 
 

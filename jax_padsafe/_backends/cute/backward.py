@@ -30,12 +30,14 @@ TARGET_NAME = library.BACKWARD_TARGET
 def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *,
                    max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, bottom_right: bool,
                    window_left: int, window_right: int, softcap: float, deterministic: bool = False,
-                   rows_covered: bool = False, aux=None, stats=None):
+                   rows_covered: bool = False, aux=None, stats=None, return_delta: bool = False):
   """Gradients (dq, dk, dv) of `forward.flash_forward` on the packed layout; see the module docstring.
 
   ``aux`` and ``stats``: the forward's mask / bias operands and the exact row statistics
   ``(row_max, log_sum)`` its aux target returned (P is recomputed as ``exp(s - row_max - log_sum)``, exact
-  for any finite bias however large); dbias is not computed here.
+  for any finite bias however large); dbias is :func:`flash_dbias`'s (``return_delta=True`` returns the
+  Delta workspace as a fourth result: with a bias it holds ``rowsum(P * dP)`` of the recomputed P and dP,
+  from which ``flash_dbias``'s Delta is that minus dlse).
 
   `rows_covered=True` promises that cu_seqlens_q/k start at 0, end at total_q/total_k, and have no
   segment longer than max_seqlen_q/k: then the kernels' tiles cover every row, and kernels that zero
@@ -104,4 +106,36 @@ def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, sequse
     dq, dk = jnp.zeros_like(dq), jnp.zeros_like(dk)
   elif sign < 0:
     dq = -dq
-  return dq, dk, dv
+  return (dq, dk, dv, _delta) if return_delta else (dq, dk, dv)
+
+
+def flash_dbias(q, k, v, do, delta, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, aux, stats,
+                max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, bottom_right: bool,
+                window_left: int, window_right: int, **unused):
+  """The bias gradient (XLA FFI target ``jax_padsafe_bwd_dbias``) on the padded layout: dS recomputed per
+  visible tile from q, k, v, do, the backward's ``delta`` and the forward's exact row statistics ``stats``,
+  summed over the bias's broadcast batch and head dimensions in a fixed order (deterministic). Returns
+  dbias with the bias's shape ``[Bx, Hx, T, S]`` and dtype; cells outside every valid rectangle and pairs
+  no query sees are exactly 0. ``aux.bias`` must have a row per query (``Tx == T``)."""
+  del unused  # the backward's other static arguments (softcap, rows_covered, deterministic)
+  total_q, n, h, total_k, kh = library.check_operands(
+      "flash_dbias", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale, softcap=0.0)
+  if not aux.has_bias:
+    raise ValueError("flash_dbias: the call has no bias")
+  if not library.dbias_available(q.dtype, h):
+    raise NotImplementedError(f"the kernel library has no bias gradient kernel for {q.dtype} head dim {h}")
+  # As flash_backward: scale < 0 is |scale| with -q (dbias unchanged), scale == 0 makes every q.k term 0.
+  if scale < 0:
+    q, scale = -q, -scale
+  if scale == 0:
+    q, scale = jnp.zeros_like(q), 1.0
+  call = jax.ffi.ffi_call(library.BACKWARD_DBIAS_TARGET, jax.ShapeDtypeStruct(aux.bias.shape, aux.bias.dtype),
+                          vmap_method="sequential")
+  return call(q, k, v, do.astype(q.dtype), delta.astype(jnp.float32), cu_seqlens_q, cu_seqlens_k, seqused_q,
+              seqused_k, aux.mask, aux.bias, aux.tile_map, aux.row_range, aux.col_range,
+              *(x.astype(jnp.float32) for x in stats),
+              scale=np.float32(scale), window_left=library.window_attribute(window_left),
+              window_right=library.window_attribute(window_right), causal=np.int32(bool(causal)),
+              bottom_right=np.int32(bool(bottom_right)), max_seqlen_q=np.int32(max_seqlen_q),
+              max_seqlen_k=np.int32(max_seqlen_k), has_mask=np.int32(aux.has_mask))

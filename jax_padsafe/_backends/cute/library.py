@@ -41,6 +41,7 @@ FORWARD_TARGET = "jax_padsafe_fwd"
 BACKWARD_TARGET = "jax_padsafe_bwd"
 FORWARD_AUX_TARGET = "jax_padsafe_fwd_aux"
 BACKWARD_AUX_TARGET = "jax_padsafe_bwd_aux"
+BACKWARD_DBIAS_TARGET = "jax_padsafe_bwd_dbias"
 
 # What the default build (jax_padsafe/kernels/build) provides, forward and backward; used when no
 # library is loaded.
@@ -75,6 +76,7 @@ class Loaded(NamedTuple):
   ffi_api: tuple[int, int] | None = None
   forward_aux: tuple = ()
   backward_aux: tuple = ()
+  backward_dbias: tuple = ()  # the variants with the bias gradient kernel (target registered)
 
 
 def library_path() -> Path:
@@ -113,17 +115,23 @@ def library_ffi_api_version(lib) -> tuple[int, int] | None:
   return major.value, minor.value
 
 
-def _variants_of(lib, kind: str, aux: bool = False) -> tuple:
+def _variants_of(lib, kind: str, aux: bool = False, dbias: bool = False) -> tuple:
   """The distinct variants in one direction's table: those without (``aux`` False) or with the aux
-  arguments (none where the library has no aux target)."""
+  arguments (none where the library has no aux target); ``dbias``: the backward variants with the
+  bias gradient kernel (none where the library has no such target)."""
   count, describe = getattr(lib, f"jps_num_{kind}_variants"), getattr(lib, f"jps_{kind}_variant")
   is_aux = getattr(lib, f"jps_{kind}_variant_aux", None)
   if aux and (is_aux is None or not hasattr(lib, f"jps_{kind}_aux_execute")):
+    return ()
+  has_dbias = getattr(lib, f"jps_{kind}_variant_dbias", None)
+  if dbias and (has_dbias is None or not hasattr(lib, f"jps_{kind}_dbias_execute")):
     return ()
   count.restype = ctypes.c_int
   variants = []
   for i in range(count()):
     if is_aux is not None and (is_aux(i) != 0) != aux:  # 0 plain, 1 / 2 the mask / bias kind
+      continue
+    if dbias and has_dbias(i) != 1:
       continue
     vals = [ctypes.c_int() for _ in range(4)]
     if describe(i, *[ctypes.byref(x) for x in vals]) == 0:
@@ -183,6 +191,7 @@ def _load() -> Loaded:
   if not forward:
     return unusable(f"the kernel library {path} holds no forward kernels (empty variant table)", ffi_api)
   forward_aux, backward_aux = (_variants_of(lib, _KINDS[d][0], aux=True) for d in ("forward", "backward"))
+  backward_dbias = _variants_of(lib, "bwd", aux=True, dbias=True)
   try:
     for kind, target in _KINDS.values():
       _register(lib, kind, target)
@@ -190,9 +199,11 @@ def _load() -> Loaded:
                                            (forward_aux, backward_aux)):
       if variants:
         _register(lib, kind, target, "aux_execute")
+    if backward_dbias:
+      _register(lib, "bwd", BACKWARD_DBIAS_TARGET, "dbias_execute")
   except Exception as e:  # noqa: BLE001 - any registration error leaves the pure-JAX path
     return unusable(f"registering the kernel library's FFI targets failed: {type(e).__name__}: {e}", ffi_api)
-  return Loaded(lib, forward, backward or None, path, None, ffi_api, forward_aux, backward_aux)
+  return Loaded(lib, forward, backward or None, path, None, ffi_api, forward_aux, backward_aux, backward_dbias)
 
 
 def loaded() -> Loaded:
@@ -241,6 +252,13 @@ def warn_unusable() -> None:
   _warned.add(reason)
   warnings.warn(f"jax_padsafe: {reason}. Until this is fixed, {FALLBACK_COST}; see docs/troubleshooting.md "
                 f"and jax_padsafe.kernels_status().", KernelLibraryWarning, stacklevel=2)
+
+
+def dbias_available(dtype, head_dim: int) -> bool:
+  """Whether the loaded library computes the bias gradient on the kernels for this dtype and head dim (any
+  arch: the handler names a missing one).  Never raises."""
+  code = DTYPE_CODES.get(jnp.dtype(dtype))
+  return any(d == code and h == head_dim for (_, d, h, _) in loaded().backward_dbias)
 
 
 def built_variants(direction: str = "forward"):

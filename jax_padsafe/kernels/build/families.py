@@ -9,7 +9,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from .variants import Variant, ZeroRowsKernel, sm80_fwd_stages
+from .variants import Variant, ZeroRowsKernel, dbias_tile, sm80_fwd_stages
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,19 @@ def _with_aux(sig: Signature, ranges: str) -> Signature:
     return Signature(sig.tensors + _aux_tensors(ranges), sig.scalars + ", a->aux_flags")
 
 
+# The bias gradient kernel of the "bias" variants (sm80/bwd_dbias.py): the inputs it recomputes dS from, the aux
+# operands, and dbias in the input dtype and in float32 ([Bx, Hx, T, S], the bias's shape; the one of the
+# bias's dtype is live).
+_DBIAS = Signature((Tensor("mQ", _Q % "q"), Tensor("mK", _K % "k"), Tensor("mV", _K % "v"),
+                    Tensor("mdO", _Q % "dout"), Tensor("mDelta", _R % "delta"), Tensor("mCuQ", _CU % "cu_q"),
+                    Tensor("mCuK", _CU % "cu_k"), Tensor("mUsedQ", _US % "used_q"),
+                    Tensor("mUsedK", _US % "used_k"))
+                   + _aux_tensors("rows")
+                   + (_aux4("mdBias", "dbias", "dbias_dims"), _aux4("mdBias32", "dbias32", "dbias32_dims")),
+                   "a->score_mul, a->window_left, a->window_right, a->bottom_right, a->max_seqlen_q, "
+                   "a->max_seqlen_k, a->aux_flags")
+
+
 # Row zeroing: two outputs seen as int32 [rows, 16-byte words, 4] (the same one twice for one output), cu_seqlens_q.
 _ZERO_ROWS = Signature((Tensor("mA", "{a, {rows, words}, {(int64_t)words * 4}}", "ta"),
                         Tensor("mB", "{b, {rows, words}, {(int64_t)words * 4}}", "tb"),
@@ -115,6 +128,8 @@ def signature(v, kernel: str = "") -> Signature:
     if v.kind == "fwd":
         sig = Signature(_FWD_SM90 if v.family == "sm90" else _FWD, _FWD_SCALARS)
         return _with_aux(sig, "rows") if v.aux else sig
+    if kernel == "dbias":
+        return _DBIAS
     sig = (_BWD_SM90 if v.family == "sm90" else _BWD)[kernel]
     if v.aux and kernel != "pre":
         return _with_aux(sig, "rows" if kernel == "dq" else "cols")
@@ -288,10 +303,30 @@ def _compile_bwd(v: Variant, out: str) -> dict:
     dq = cute.compile(dq_kernel, x3(), x3(), x3(), x3(), f2(), f2(), x3(), i1(), i1(), i1(), i1(), *counter,
                       *aux(), 1.0, 1.0, 1.0, 0, 0, 0, 1, *flags, make_fake_stream(), options=opts)
     _export(dq, out, p + "_dq")
+    if "dbias" in v.kernels:
+        _compile_dbias(v, out, x3, f2, i1)
     # Which kernels were compiled to queue every layout, read off the kernel objects themselves: the registry's
     # queue_all (the handler's cue to zero their tile counters on every call) then cannot disagree with them.
     queue_all = sum(bit for bit, k in ((1, passes.get("dkdv")), (2, dq_kernel)) if getattr(k, "queue_dense", False))
     return {"queue_all": queue_all}
+
+
+def _compile_dbias(v: Variant, out: str, x3, f2, i1):
+    """The bias gradient kernel of a "bias" variant: the SM80-class kernel in both families (it runs two GEMMs
+    per visible tile, fed by cp.async, and needs none of the Hopper kernels' machinery to be deterministic)."""
+    import cutlass.cute as cute
+    from cutlass.runtime import make_fake_stream
+
+    from ..sm80.bwd_dbias import BwdDBias
+
+    dt = _dtype(v)
+    bm, bn, nt, stages = dbias_tile(v.arch, v.head_dim)
+    aux = _fake_aux(dt)
+    outs = _fake_aux(dt)[1:3]  # dbias in the input dtype and in float32: the bias's fake tensors
+    kern = BwdDBias(dt, v.head_dim, bm, bn, nt, stages)
+    compiled = cute.compile(kern, x3(), x3(), x3(), x3(), f2(), i1(), i1(), i1(), i1(), *aux, *outs,
+                            1.0, 0, 0, 0, 1, 1, 0, make_fake_stream(), options=f"--gpu-arch {v.arch}")
+    _export(compiled, out, v.prefix + "_dbias")
 
 
 def timed_compile(args):

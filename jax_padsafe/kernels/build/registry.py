@@ -116,12 +116,15 @@ def bwd_registry(variants, queue_all=None) -> str:
             blocks = f"{v.tuning.dkdv[1]}, {v.tuning.dq[0]}, {queue_all.get(p, v.queue_all)}"
         else:
             blocks = "0, 0, 0"
+        # The bias gradient kernel of the "bias" variants, or null.
+        dbias = f"&{p}_dbias_module, &{p}_dbias_launch" if "dbias" in v.kernels else "0, 0"
         body.append(
             f"  {{{V.ARCH_CODE[v.arch]}, {V.DTYPE_CODE[v.dtype]}, {v.head_dim}, {int(v.softcap)}, &{p}_load, "
             f"&{p}_pre_module, &{p}_pre_launch, &{p}_{first}_module, &{p}_{first}_launch, &{p}_dq_module, "
-            f"&{p}_dq_launch, \"{p}\", {V.FAMILY_CODE[v.family]}, {second}, {blocks}, {V.AUX_CODE[v.aux]}}},")
+            f"&{p}_dq_launch, \"{p}\", {V.FAMILY_CODE[v.family]}, {second}, {blocks}, {V.AUX_CODE[v.aux]}, "
+            f"{dbias}}},")
     if not variants:
-        body.append("  {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \"none\", 0, 0, 0, 0, 0, 0, 0},")
+        body.append("  {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \"none\", 0, 0, 0, 0, 0, 0, 0, 0, 0},")
     body.append("};")
     body.append(f"static const int kJpsNumBwdVariants = {len(variants)};")
     return "\n".join(body) + "\n"

@@ -47,6 +47,8 @@ class Sm80Tuning:
     # The backward's dK/dV kernel runs as two launches (a dV pass, then a dK pass): dK and dV together would
     # need 2 x 16 x HD fp32 accumulators per warp, 2 x HD / 2 registers per thread (256 at hd256).
     split_dkdv: bool = False
+    # The bias gradient kernel (sm80/bwd_dbias.py, built into the "bias" variants of both families).
+    dbias: tuple = (64, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,10 @@ TUNING = {
         64: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
         96: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
         128: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
-        192: Sm80Tuning(fwd=(64, 64, 128), dkdv=(32, 64, 128), dq=(64, 32, 128), split_dkdv=True),
-        256: Sm80Tuning(fwd=(64, 64, 128), dkdv=(32, 64, 128), dq=(64, 32, 128), split_dkdv=True),
+        192: Sm80Tuning(fwd=(64, 64, 128), dkdv=(32, 64, 128), dq=(64, 32, 128), split_dkdv=True,
+                        dbias=(64, 32, 128)),
+        256: Sm80Tuning(fwd=(64, 64, 128), dkdv=(32, 64, 128), dq=(64, 32, 128), split_dkdv=True,
+                        dbias=(64, 32, 128)),
     },
     "sm90": {
         64: Sm90Tuning(fwd=(128, 128, 2), dkdv=(64, 128, 2), dq=(128, 64, 2), fwd_prefetch_next_tile=True,
@@ -115,6 +119,15 @@ TUNING = {
 # Shared memory per SM by build target (bytes usable by CTAs); archs not named here: 227 KB.
 SMEM_PER_SM = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_120": 99 * 1024,
                "sm_120a": 99 * 1024}
+
+
+def dbias_tile(arch: str, head_dim: int) -> tuple:
+    """(block_m, block_n, threads, stages) of the bias gradient kernel (the SM80-class one in both families):
+    two stages of its four operand tiles (Q, dO, K, V) where they fit one block of `arch`, else one."""
+    block_m, block_n, threads = TUNING["sm80"][head_dim].dbias
+    stage_bytes = 2 * (block_m + block_n) * head_dim * 2
+    stages = 2 if 2 * stage_bytes + 1024 <= SMEM_PER_SM.get(arch, 227 * 1024) else 1
+    return block_m, block_n, threads, stages
 
 
 def sm80_fwd_stages(arch: str, head_dim: int) -> int:
@@ -165,7 +178,8 @@ class Variant:
         """The exported kernels, in launch order: the backward's `<prefix>_<kernel>`, the forward's `<prefix>`."""
         if self.kind == "fwd":
             return ("",)
-        return ("pre", "dv", "dk", "dq") if self.split else ("pre", "dkdv", "dq")
+        dbias = ("dbias",) if self.aux == "bias" else ()
+        return (("pre", "dv", "dk", "dq") if self.split else ("pre", "dkdv", "dq")) + dbias
 
     @property
     def exports(self) -> tuple:
@@ -180,6 +194,9 @@ class Variant:
         opts = {k: v for k, v in vars(self.tuning).items() if (k == "fwd" or k.startswith("fwd_")) == fwd}
         if self.family == "sm80" and fwd:
             opts["fwd_stages"] = sm80_fwd_stages(self.arch, self.head_dim)
+        opts.pop("dbias", None)
+        if "dbias" in self.kernels:
+            opts["dbias"] = dbias_tile(self.arch, self.head_dim)
         if self.aux:
             opts["aux"] = self.aux
         return opts

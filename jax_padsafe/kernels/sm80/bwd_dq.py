@@ -199,6 +199,11 @@ class BwdDQ(bc.BwdBase):
             else:
                 bwd_scores.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 0)
 
+            dsum = None
+            if cutlass.const_expr(self.aux == "bias"):
+                dsum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)  # rowsum of dS (store_exact_delta)
+                dsum.fill(0.0)
+
             total = n_max - n_min
             tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gQ), tQsQ, tQcQ, m0, q_len)
             tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gdO), tdOsdO, tQcQ, m0, q_len)
@@ -256,12 +261,17 @@ class BwdDQ(bc.BwdBase):
                         bc.gemm_ss(tiled_mma, acc_dP, copy_a, tPsdO, tPrdO_v, tPrdO, copy_b, tPsV[st], tPrV_v, tPrV)
                         bwd_scores.dscores(s_mn, masking.acc_mn_view(acc_dP), masking.acc_mn_view(acc_T), delta, 0,
                                    self.has_softcap)
+                        if cutlass.const_expr(self.aux == "bias"):
+                            bwd_scores.add_row_sums(masking.acc_mn_view(acc_dP), dsum)
                         rdS = cute.make_fragment_like(acc_dP, self.dtype)
                         rdS.store(acc_dP.load().to(self.dtype))
                         bc.gemm_rs(tiled_mma, acc_dQ, cute.make_tensor(rdS.iterator, bc.c_to_a_layout(rdS.layout)),
                                    copy_bt, tQsKt[st], tQrKt_v, tQrKt)
 
             cute.arch.cp_async_wait_group(0)
+            if cutlass.const_expr(self.aux == "bias"):
+                # rowsum(P dP) of this kernel's P and dP into the Delta workspace, for the bias gradient.
+                bwd_scores.store_exact_delta(mDelta, dsum, delta, head, q_start, q_len, m0, cS_mn)
             cute.arch.barrier()
             gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
             bc.store_rows(acc_dQ, dscale, self.dtype, tiled_mma, copy_out, sQ, gdQ, BM, HD, m0, q_len, tidx)

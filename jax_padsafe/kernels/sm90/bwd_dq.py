@@ -397,6 +397,10 @@ class BwdDQSm90(Sm90BwdBase):
                                             lse2, delta, 0)
         if cutlass.const_expr(aux is not None):
             view = bwd_aux.view(aux, batch, head)
+        dsum = None
+        if cutlass.const_expr(aux is not None and self.aux == "bias"):
+            dsum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)  # rowsum of dS (store_exact_delta)
+            dsum.fill(0.0)
         rdS = cute.make_rmem_tensor(s_shape, dt)
         tQrdS = cute.make_tensor(rdS.iterator, sc.c_to_a_layout(rdS.layout))
 
@@ -425,11 +429,16 @@ class BwdDQSm90(Sm90BwdBase):
                 sc.wgmma_wait_after(acc_S, opaque_zero, 0)
             warpgroup.wait_group(0)
             self.dq_dscores(acc_S, acc_dP, acc_T, delta, rdS)
+            if cutlass.const_expr(aux is not None and self.aux == "bias"):
+                bwd_scores.add_row_sums(masking.acc_mn_view_sm90(acc_dP), dsum)
             sc.gemm(mma_q, mma_q, acc_dQ, tQrdS, tQrKt[None, None, None, state.index], False)
             warpgroup.wait_group(0)
             pipe_kv.consumer_release(state)
             state.advance()
 
+        if cutlass.const_expr(aux is not None and self.aux == "bias"):
+            # rowsum(P dP) of this kernel's P and dP into the Delta workspace, for the bias gradient.
+            bwd_scores.store_exact_delta(mDelta, dsum, delta, head, q_start, q_len, m0, cS_mn)
         # Epilogue: dQ (times the softmax scale) through sQ, or the staging tile (every consumer's GEMMs are
         # complete after the barrier; with the staging tile it also orders this tile's writes after the
         # previous tile's reads): valid query rows, then zeros up to the slot end.
