@@ -48,7 +48,7 @@ class Sm80Tuning:
     # need 2 x 16 x HD fp32 accumulators per warp, 2 x HD / 2 registers per thread (256 at hd256).
     split_dkdv: bool = False
     # The bias gradient kernel (sm80/bwd_dbias.py, built into the "bias" variants of both families).
-    dbias: tuple = (64, 64, 128)
+    dbias: tuple = (128, 64, 256)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class Sm90Tuning:
 # +1 to +4%.
 TUNING = {
     "sm80": {
-        64: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
+        64: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128), dbias=(64, 64, 128)),
         96: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
         128: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
         192: Sm80Tuning(fwd=(64, 64, 128), dkdv=(32, 64, 128), dq=(64, 32, 128), split_dkdv=True,

@@ -242,3 +242,36 @@ def mask_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.In
     elif cls == MIXED:
         if q_len > 0 and k_lim > 0:
             _apply_mask(s_mn, c_mn, v.mask, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
+
+
+@cute.jit
+def prefetch_bias_l2(view, m_block: cutlass.Int32, n_block: cutlass.Int32, block_m: cutlass.Constexpr,
+                     block_n: cutlass.Constexpr, q_len: cutlass.Int32, k_len: cutlass.Int32):
+    """L2 prefetch of the bias of the (block_m queries x block_n keys) tile (m_block, n_block), by a Hopper
+    kernel's producer warp as it issues that step's TMA loads (a stage or two before the consumers read the
+    bias element by element, so their loads hit L2).  Each lane takes every 32nd query row of the tile and
+    prefetches the 128-byte lines of its row's keys.  Only cells of the valid rectangle are addressed (rows and
+    columns clamped to it, as the loads are); a prefetch brings a line into L2 and loads no value, so it changes
+    no result."""
+    k_lim = cutlass.min(k_len, view.width)
+    if q_len > 0 and k_lim > 0:
+        if (view.flags & FLAG_BIAS32) != 0:
+            _prefetch_rows(view.bias32, m_block * block_m, n_block * block_n, block_m, block_n, 32, q_len - 1,
+                           k_lim - 1)
+        if (view.flags & FLAG_BIAS) != 0:
+            _prefetch_rows(view.bias, m_block * block_m, n_block * block_n, block_m, block_n,
+                           128 // (view.bias.element_type.width // 8), q_len - 1, k_lim - 1)
+
+
+@cute.jit
+def _prefetch_rows(bias: cute.Tensor, m0: cutlass.Int32, n0: cutlass.Int32, block_m: cutlass.Constexpr,
+                   block_n: cutlass.Constexpr, per_line: cutlass.Constexpr, q_last: cutlass.Int32,
+                   k_last: cutlass.Int32):
+    lane = cute.arch.lane_idx()
+    t_last = cute.size(bias.shape[0]) - 1
+    for r in cutlass.range_constexpr(block_m // 32):
+        i = cutlass.min(cutlass.min(m0 + r * 32 + lane, q_last), t_last)
+        for c in cutlass.range_constexpr((block_n + per_line - 1) // per_line):
+            j = cutlass.min(n0 + c * per_line, k_last)
+            ptr = bias.iterator + cute.crd2idx((i, j), bias.layout)
+            cute.arch.prefetch(ptr.llvm_ptr, cache_level="L2")

@@ -6,7 +6,7 @@ import cutlass.pipeline as pipeline
 import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import cpasync
 
-from ..common import bounds, tile_queue, tile_schedule, tiles
+from ..common import aux_scores, bounds, tile_queue, tile_schedule, tiles
 from . import bwd_aux
 from . import common as sc
 from .bwd_base import Sm90BwdBase
@@ -287,7 +287,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
                 # Aux: the steps left after each query head's range is narrowed by its mask, counted here, before
                 # the producer and the consumers part, so both take the same branch and walk the same steps.
                 total = self.aux_steps(aux, batch, head_kv, group, n_block, tb.k_len, tb.lo, tb.hi)
-                aux_tile = (aux, batch, tb.hi)
+                aux_tile = (aux, batch, tb.hi, tb.q_len, tb.k_len)
             # A key tile past k_len, or one no valid query sees: dK = dV = 0; the CTA writes the zeros of its rows
             # up to the slot end (the handler's memset may have done so already) and computes nothing.
             if n0 < tb.k_len and total > 0:
@@ -321,8 +321,8 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         the group, query tile).  Without `kv_first` (the queue) Q / dO of the first steps go first: K / V wait
         for the previous tile's consumers to release sK / sV (after its last step with staging tiles, after its
         epilogue at head dims 192 / 256), and these loads need not.  `aux_tile` (aux variant: (BwdAux, sequence,
-        m_max)): the steps walk each query head's narrowed range (bwd_aux.dkdv_first / dkdv_next), as the
-        consumers do.  Returns the advanced pipeline states."""
+        m_max, q_len, k_len)): the steps walk each query head's narrowed range (bwd_aux.dkdv_first / dkdv_next),
+        as the consumers do; the "bias" kind prefetches each step's bias into L2 with its Q / dO loads.  Returns the advanced pipeline states."""
         BN, HD = self.block_n, self.head_dim
         tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V = tmas
         # The aux variant's step cursor: (query head, query tile, end of that head's range).
@@ -339,6 +339,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
                     state = self.produce_step(tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start)
                 else:
                     state = self.produce_step_at(tmas, sQ, sdO, pipe_q, state, c_head, c_m, q_start)
+                    self.prefetch_bias(aux_tile, c_head, c_m, n_block)
                     c_head, c_m, c_hi = self.aux_next(aux_tile, head_kv, group, n_block, m_min, c_head, c_m, c_hi)
         gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_K[None, None, head_kv]), (BN, HD), (n_block, 0))
         gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_V[None, None, head_kv]), (BN, HD), (n_block, 0))
@@ -353,6 +354,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         if cutlass.const_expr(aux_tile is not None):
             for it in cutlass.range(n_ahead, total, 1, unroll=1):
                 state = self.produce_step_at(tmas, sQ, sdO, pipe_q, state, c_head, c_m, q_start)
+                self.prefetch_bias(aux_tile, c_head, c_m, n_block)
                 c_head, c_m, c_hi = self.aux_next(aux_tile, head_kv, group, n_block, m_min, c_head, c_m, c_hi)
         elif cutlass.const_expr(kv_first):
             for it in cutlass.range(total, unroll=1):
@@ -361,6 +363,14 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
             for it in cutlass.range(n_ahead, total, 1, unroll=1):
                 state = self.produce_step(tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start)
         return state_kv, state
+
+    @cute.jit
+    def prefetch_bias(self, aux_tile, head, m_block, n_block):
+        """The "bias" kind: L2 prefetch of query head `head`'s bias for the step (m_block, n_block)."""
+        if cutlass.const_expr(self.aux == "bias"):
+            aux, batch, _, q_len, k_len = aux_tile
+            aux_scores.prefetch_bias_l2(bwd_aux.view(aux, batch, head), m_block, n_block, self.block_m,
+                                        self.block_n, q_len, k_len)
 
     @cute.jit
     def produce_step(self, tmas, sQ, sdO, pipe_q, state, it, head_kv, group, n_m, m_min, q_start):
@@ -404,13 +414,13 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
     @cute.jit
     def aux_first(self, aux_tile, head_kv, group, n_block, m_min):
         """The first step's (query head, query tile, end of the head's range) of a tile with aux_steps > 0."""
-        aux, batch, m_max = aux_tile
+        aux, batch, m_max = aux_tile[:3]
         return bwd_aux.dkdv_first(aux, batch, head_kv, group, n_block, self.block_m, self.block_n, m_min, m_max)
 
     @cute.jit
     def aux_next(self, aux_tile, head_kv, group, n_block, m_min, head, m_block, m_hi):
         """The step after (head, m_block, m_hi) (bwd_aux.dkdv_next)."""
-        aux, batch, m_max = aux_tile
+        aux, batch, m_max = aux_tile[:3]
         return bwd_aux.dkdv_next(aux, batch, head_kv, group, n_block, self.block_m, self.block_n, m_min, m_max, head,
                                  m_block, m_hi)
 
@@ -435,7 +445,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         state_tile = tile_queue.producer_state()
         total_tiles = per_head * heads_kv
         lin, batch, n_block, head_kv = self.claim_key_tile(queue, seqs, sched)
-        q_start, _, k_start, k_len, k_slot, _, _, _, m_min, m_max = bounds.key_tile(*seqs, batch, n_block,
+        q_start, q_len, k_start, k_len, k_slot, _, _, _, m_min, m_max = bounds.key_tile(*seqs, batch, n_block,
                                                                                     self.block_m, self.block_n)
         state_tile = tile_queue.publish(queue, state_tile, (lin, batch, n_block, head_kv, k_start, k_len, k_slot,
                                                                 cutlass.Int32(0)))
@@ -451,9 +461,9 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
                 if steps > 0:
                     state_kv, state = self.produce_tile(tmas, sK, sV, sQ, sdO, pipe_kv, pipe_q, state_kv, state,
                                                         n_block, head_kv, group, n_m, m_min, steps, q_start, k_start,
-                                                        False, (aux, batch, m_max))
+                                                        False, (aux, batch, m_max, q_len, k_len))
             lin, batch, n_block, head_kv = self.claim_key_tile(queue, seqs, sched)
-            q_start, _, k_start, k_len, k_slot, _, _, _, m_min, m_max = bounds.key_tile(*seqs, batch, n_block,
+            q_start, q_len, k_start, k_len, k_slot, _, _, _, m_min, m_max = bounds.key_tile(*seqs, batch, n_block,
                                                                                         self.block_m, self.block_n)
             state_tile = tile_queue.publish(queue, state_tile, (lin, batch, n_block, head_kv, k_start, k_len, k_slot,
                                                                 cutlass.Int32(0)))
@@ -489,7 +499,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
             if cutlass.const_expr(aux is not None):
                 # The producer's steps, derived in the same way (`produce_claimed`).
                 steps = self.aux_steps(aux, batch, head_kv, group, n_block, tb.k_len, tb.lo, tb.hi)
-                aux_tile = (aux, batch, tb.hi)
+                aux_tile = (aux, batch, tb.hi, tb.q_len, tb.k_len)
             if n0 < tb.k_len and steps > 0:
                 total = group * n_m
                 if cutlass.const_expr(aux is not None):

@@ -22,8 +22,8 @@ class DKDVSteps:
         query head of the group and query tile that sees the key tile); returns the advanced pipeline states.
         `release_kv`: free the K / V stage for the next tile: right after the last step's GEMMs where `out_tiles` (two staging tiles of
         sK's layout) take dK / dV, else once the epilogue, staged through sK / sV, has read them.
-        `aux_tile` (aux variants: (bwd_aux.BwdAux, sequence, m_max)): the steps walk each query head's narrowed
-        range as the producer does (`total` counts them).  "bias": S^T becomes natural-unit scores with the head's
+        `aux_tile` (aux variants: (bwd_aux.BwdAux, sequence, m_max, q_len, k_len)): the steps walk each query
+        head's narrowed range as the producer does (`total` counts them).  "bias": S^T becomes natural-unit scores with the head's
         mask and bias (aux_scores.scores), and P^T comes from the forward's m and ln l (bwd_scores.probs_exact);
         "mask": S^T gets -inf where the head's mask hides a pair (aux_scores.mask_scores), and P^T comes from lse
         as in the plain kernel."""

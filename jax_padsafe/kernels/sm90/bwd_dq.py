@@ -221,7 +221,8 @@ class BwdDQSm90(Sm90BwdBase):
                                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                                        self.num_stages),
-                                          m_block, head, head_kv, tb.q_start, tb.k_start, tb.lo, tb.hi)
+                                          m_block, head, head_kv, tb.q_start, tb.k_start, tb.lo, tb.hi,
+                                          self.bias_tile(aux, batch, head, tb))
                 else:
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                     self.consume(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
@@ -249,9 +250,10 @@ class BwdDQSm90(Sm90BwdBase):
 
     @cute.jit
     def produce_tile(self, tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, state_q, state, m_block, head, head_kv, q_start,
-                     k_start, n_min, n_max):
+                     k_start, n_min, n_max, bias_tile=None):
         """Producer warp: the loads of one query tile (K / V of its first key tile, Q / dO, the other key
-        tiles in decreasing order).  Returns the advanced pipeline states."""
+        tiles in decreasing order).  `bias_tile` (the "bias" kind: bias_tile()'s) prefetches each key tile's
+        bias into L2 with its K / V loads.  Returns the advanced pipeline states."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V = tmas
         gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_Q[None, None, head]), (BM, HD), (m_block, 0))
@@ -272,6 +274,7 @@ class BwdDQSm90(Sm90BwdBase):
                   tma_bar_ptr=pipe_kv.producer_get_barrier(state))
         cute.copy(tma_atom_V, tVgV[None, n_max - 1], tVsV[None, state.index],
                   tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+        self.prefetch_bias(bias_tile, m_block, n_max - 1)
         state.advance()
         # (With the queue, this waits until the consumers have stored the previous tile's dQ through sQ.)
         pipe_q.producer_acquire(state_q)
@@ -285,8 +288,22 @@ class BwdDQSm90(Sm90BwdBase):
                       tma_bar_ptr=pipe_kv.producer_get_barrier(state))
             cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state.index],
                       tma_bar_ptr=pipe_kv.producer_get_barrier(state))
+            self.prefetch_bias(bias_tile, m_block, n)
             state.advance()
         return state_q, state
+
+    @cute.jit
+    def bias_tile(self, aux, batch, head, tb):
+        """What prefetch_bias needs of a query tile: (its AuxView, q_len, k_len) in the "bias" kind, else None."""
+        if cutlass.const_expr(aux is not None and self.aux == "bias"):
+            return (bwd_aux.view(aux, batch, head), tb.q_len, tb.k_len)
+        return None
+
+    @cute.jit
+    def prefetch_bias(self, bias_tile, m_block, n_block):
+        if cutlass.const_expr(bias_tile is not None):
+            aux_scores.prefetch_bias_l2(bias_tile[0], m_block, n_block, self.block_m, self.block_n, bias_tile[1],
+                                        bias_tile[2])
 
     @cute.jit
     def claim_query_tile(self, queue, seqs, sched):
@@ -314,7 +331,8 @@ class BwdDQSm90(Sm90BwdBase):
             tb = self.query_bounds(seqs, batch, m_block, head, aux)
             if m_block * self.block_m < tb.q_len and tb.hi > tb.lo:
                 state_q, state = self.produce_tile(tmas, sQ, sdO, sK, sV, pipe_q, pipe_kv, state_q, state, m_block,
-                                                   head, head // group, tb.q_start, tb.k_start, tb.lo, tb.hi)
+                                                   head, head // group, tb.q_start, tb.k_start, tb.lo, tb.hi,
+                                                   self.bias_tile(aux, batch, head, tb))
             lin, batch, m_block, head = self.claim_query_tile(queue, seqs, sched)
             state_tile = tile_queue.publish(queue, state_tile, (lin, batch, m_block, head))
 

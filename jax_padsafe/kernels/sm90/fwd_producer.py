@@ -9,7 +9,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync
 
-from ..common import tile_queue
+from ..common import aux_scores, tile_queue
+from . import fwd_aux
 
 
 class FwdProducer:
@@ -36,11 +37,12 @@ class FwdProducer:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for j in cutlass.range(sched.tiles_per_cta, unroll=1):
             (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
-             n_max, _, _, _) = self.tile_info(j, sched)
+             n_max, _, _, batch) = self.tile_info(j, sched)
             if present:
                 state_q, state = self.produce_tile(
                     tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                    state_q, state, m_block, head, head_kv, q_start, k_start, n_min, n_max, j, sched)
+                    state_q, state, m_block, head, head_kv, q_start, k_start, n_min, n_max, j, sched,
+                    bias_tile=self.bias_tile(sched, batch, head, q_len, k_len))
 
     @cute.jit
     def produce_claimed(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k,
@@ -60,7 +62,7 @@ class FwdProducer:
         lin, info, state_tile = self.claim_published(queue, state_tile, sched)
         while lin < total:
             (present, m_block, head, head_kv, q_start, q_len, k_start, k_len, off, left, right, n_min,
-             n_max, _, _, _) = info
+             n_max, _, _, batch) = info
             next_lin = lin
             next_info = info
             if present:
@@ -68,7 +70,7 @@ class FwdProducer:
                 state_q, state, state_tile, next_lin, next_info = self.produce_tile(
                     tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                     state_q, state, m_block, head, head_kv, q_start, k_start, n_min, n_max, cutlass.Int32(0), sched,
-                    queue, state_tile)
+                    queue, state_tile, bias_tile=self.bias_tile(sched, batch, head, q_len, k_len))
             else:
                 next_lin, next_info, state_tile = self.claim_published(queue, state_tile, sched)
             lin = next_lin
@@ -102,8 +104,10 @@ class FwdProducer:
         sched,
         queue=None,
         state_tile=None,
+        bias_tile=None,
     ):
-        """Loads of one tile.  With the compact kernel's `queue` it also claims the next tile once this
+        """Loads of one tile.  `bias_tile` (the "bias" kind: bias_tile()'s) prefetches each key block's bias
+        into L2 as its K load is issued.  With the compact kernel's `queue` it also claims the next tile once this
         tile's loads are issued, prefetches that one into L2 instead of this CTA's tile j + 1 (below head dim
         128), and returns (state_q, state, state_tile, the next tile's number)."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
@@ -125,6 +129,7 @@ class FwdProducer:
             pipe_k.producer_acquire(state)
             cute.copy(tma_atom_K, tKgK[None, n_max - 1], tKsK[None, state.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            self.prefetch_bias(bias_tile, m_block, n_max - 1)
         pipe_q.producer_acquire(state_q)
         cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
         state_q.advance()
@@ -136,6 +141,7 @@ class FwdProducer:
             pipe_k.producer_acquire(state)
             cute.copy(tma_atom_K, tKgK[None, n - 1], tKsK[None, state.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            self.prefetch_bias(bias_tile, m_block, n - 1)
             pipe_v.producer_acquire(state_prev)
             cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state_prev.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(state_prev))
@@ -164,6 +170,19 @@ class FwdProducer:
                 self.prefetch_info_l2(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, next_info,
                                       next_lin < self.queue_length(sched))
             return state_q, state, state_tile, next_lin, next_info
+
+    @cute.jit
+    def bias_tile(self, sched, batch, head, q_len, k_len):
+        """What prefetch_bias needs of a tile: (its AuxView, q_len, k_len) in the "bias" kind, else None."""
+        if cutlass.const_expr(self.aux == "bias"):
+            return (fwd_aux.tile_view(sched.aux, batch, head, sched.num_heads), q_len, k_len)
+        return None
+
+    @cute.jit
+    def prefetch_bias(self, bias_tile, m_block, n_block):
+        if cutlass.const_expr(bias_tile is not None):
+            aux_scores.prefetch_bias_l2(bias_tile[0], m_block, n_block, self.block_m, self.block_n, bias_tile[1],
+                                        bias_tile[2])
 
     @cute.jit
     def prefetch_tile_l2(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, j, sched):
