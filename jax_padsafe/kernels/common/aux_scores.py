@@ -171,20 +171,53 @@ def _pair(c_mn: cute.Tensor, r, c, q0, k0, query_mode: cutlass.Constexpr):
 
 
 @cute.jit
+def _pairs_inside(c_mn: cute.Tensor, bias: cute.Tensor, q0, k0, q_end, k_end) -> cutlass.Boolean:
+    """Whether this thread's fragment (queries as rows) can load its bias as aligned pairs: every pair of it
+    lies inside [0, q_end) x [0, k_end), its columns come as pairs of adjacent keys starting at an even key, and
+    the rows are an even number of elements apart (S even), so each pair is one 4-byte (8-byte for float32)
+    aligned load of two cells of the valid rectangle."""
+    ok = cute.size(bias.shape[1]) % 2 == 0
+    i_hi = cutlass.Int32(0)
+    for r in cutlass.range_constexpr(cute.size(c_mn, mode=[0])):
+        i_hi = cutlass.max(i_hi, q0 + c_mn[r, 0][0])
+    for c in cutlass.range_constexpr(cute.size(c_mn, mode=[1]) // 2):
+        j = k0 + c_mn[0, 2 * c][1]
+        j1 = k0 + c_mn[0, 2 * c + 1][1]
+        ok = ok and j % 2 == 0 and j1 == j + 1 and j1 < k_end
+    return ok and i_hi < q_end
+
+
+@cute.jit
 def _add_bias(s_mn: cute.Tensor, c_mn: cute.Tensor, bias: cute.Tensor, q0, k0, q_last, k_last, q_len, k_len,
               query_mode: cutlass.Constexpr):
     """s += bias[i, j] inside the valid rectangle.  Every load reads the clamped pair (min(i, q_last),
     min(j, k_last)), a cell of the rectangle, unconditionally, and a select keeps it only for the pair
-    itself: no branch around the loads, so they issue back to back, and none reads padding."""
+    itself: no branch around the loads, so they issue back to back, and none reads padding.  With queries
+    as rows, a fragment wholly inside the rectangle loads two adjacent keys per load (_pairs_inside): half
+    the loads, and fewer L1 wavefronts per warp."""
     t_last = cute.size(bias.shape[0]) - 1
-    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            i, j = _pair(c_mn, r, c, q0, k0, query_mode)
-            b = bias[cutlass.min(cutlass.min(i, q_last), t_last), cutlass.min(j, k_last)].to(cutlass.Float32)
-            s = s_mn[r, c]
-            if i < q_len and j < k_len:
-                s = s + b
-            s_mn[r, c] = s
+    paired = cutlass.Boolean(False)
+    if cutlass.const_expr(query_mode == 0 and cute.size(s_mn, mode=[1]) % 2 == 0):
+        paired = _pairs_inside(c_mn, bias, q0, k0, cutlass.min(q_len, t_last + 1), k_len)
+    if paired:
+        width = bias.element_type.width // 8
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1]) // 2):
+                i, j = _pair(c_mn, r, 2 * c, q0, k0, query_mode)
+                addr = (bias.iterator + cute.crd2idx((i, j), bias.layout)).toint()
+                two = cute.make_tensor(cute.make_ptr(bias.element_type, addr, cute.AddressSpace.gmem,
+                                                     assumed_align=2 * width), cute.make_layout(2)).load()
+                s_mn[r, 2 * c] = s_mn[r, 2 * c] + two[0].to(cutlass.Float32)
+                s_mn[r, 2 * c + 1] = s_mn[r, 2 * c + 1] + two[1].to(cutlass.Float32)
+    else:
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                i, j = _pair(c_mn, r, c, q0, k0, query_mode)
+                b = bias[cutlass.min(cutlass.min(i, q_last), t_last), cutlass.min(j, k_last)].to(cutlass.Float32)
+                s = s_mn[r, c]
+                if i < q_len and j < k_len:
+                    s = s + b
+                s_mn[r, c] = s
 
 
 @cute.jit
