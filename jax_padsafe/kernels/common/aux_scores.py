@@ -171,12 +171,12 @@ def _pair(c_mn: cute.Tensor, r, c, q0, k0, query_mode: cutlass.Constexpr):
 
 
 @cute.jit
-def _pairs_inside(c_mn: cute.Tensor, bias: cute.Tensor, q0, k0, q_end, k_end) -> cutlass.Boolean:
-    """Whether this thread's fragment (queries as rows) can load its bias as aligned pairs: every pair of it
-    lies inside [0, q_end) x [0, k_end), its columns come as pairs of adjacent keys starting at an even key, and
-    the rows are an even number of elements apart (S even), so each pair is one 4-byte (8-byte for float32)
-    aligned load of two cells of the valid rectangle."""
-    ok = cute.size(bias.shape[1]) % 2 == 0
+def _pairs_inside(c_mn: cute.Tensor, t: cute.Tensor, q0, k0, q_end, k_end) -> cutlass.Boolean:
+    """Whether this thread's fragment (queries as rows) can load its bias or mask `t` as aligned pairs: every
+    pair of it lies inside [0, q_end) x [0, k_end), its columns come as pairs of adjacent keys starting at an
+    even key, and the rows are an even number of elements apart (S even), so each pair is one aligned load of
+    two cells of the valid rectangle (4 bytes for a bf16 bias, 8 for float32, 2 for the mask)."""
+    ok = cute.size(t.shape[1]) % 2 == 0
     i_hi = cutlass.Int32(0)
     for r in cutlass.range_constexpr(cute.size(c_mn, mode=[0])):
         i_hi = cutlass.max(i_hi, q0 + c_mn[r, 0][0])
@@ -223,16 +223,35 @@ def _add_bias(s_mn: cute.Tensor, c_mn: cute.Tensor, bias: cute.Tensor, q0, k0, q
 @cute.jit
 def _apply_mask(s_mn: cute.Tensor, c_mn: cute.Tensor, mask: cute.Tensor, q0, k0, q_last, k_last, q_len, k_len,
                 query_mode: cutlass.Constexpr):
-    """s = -inf where the mask hides a pair of the valid rectangle (clamped loads as in _add_bias)."""
+    """s = -inf where the mask hides a pair of the valid rectangle (loads as in _add_bias, pairs included)."""
     t_last = cute.size(mask.shape[0]) - 1
-    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            i, j = _pair(c_mn, r, c, q0, k0, query_mode)
-            hidden = mask[cutlass.min(cutlass.min(i, q_last), t_last), cutlass.min(j, k_last)] == 0
-            s = s_mn[r, c]
-            if hidden and i < q_len and j < k_len:
-                s = -cutlass.Float32.inf
-            s_mn[r, c] = s
+    paired = cutlass.Boolean(False)
+    if cutlass.const_expr(query_mode == 0 and cute.size(s_mn, mode=[1]) % 2 == 0):
+        paired = _pairs_inside(c_mn, mask, q0, k0, cutlass.min(q_len, t_last + 1), k_len)
+    if paired:
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1]) // 2):
+                i, j = _pair(c_mn, r, 2 * c, q0, k0, query_mode)
+                addr = (mask.iterator + cute.crd2idx((i, j), mask.layout)).toint()
+                two = cute.make_tensor(cute.make_ptr(mask.element_type, addr, cute.AddressSpace.gmem,
+                                                     assumed_align=2), cute.make_layout(2)).load()
+                s0 = s_mn[r, 2 * c]
+                s1 = s_mn[r, 2 * c + 1]
+                if two[0] == 0:
+                    s0 = -cutlass.Float32.inf
+                if two[1] == 0:
+                    s1 = -cutlass.Float32.inf
+                s_mn[r, 2 * c] = s0
+                s_mn[r, 2 * c + 1] = s1
+    else:
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                i, j = _pair(c_mn, r, c, q0, k0, query_mode)
+                hidden = mask[cutlass.min(cutlass.min(i, q_last), t_last), cutlass.min(j, k_last)] == 0
+                s = s_mn[r, c]
+                if hidden and i < q_len and j < k_len:
+                    s = -cutlass.Float32.inf
+                s_mn[r, c] = s
 
 
 @cute.jit
