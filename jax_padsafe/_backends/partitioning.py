@@ -178,9 +178,10 @@ def packed_to_runs_aux(packed_fn):
   return padded
 
 
-def packed_backward_to_runs_aux(packed_bwd):
+def packed_backward_to_runs_aux(packed_bwd, with_delta: bool = False):
   """:func:`packed_backward_to_runs` for the aux kernels: the aux operands and the forward's statistics
-  (``[B, N, T]``) follow the runs."""
+  (``[B, N, T]``) follow the runs. ``with_delta``: the packed backward also returns its Delta workspace
+  ``[N, B*T]``, returned as ``[B, N, T]`` after dq, dk, dv (the bias gradient's input)."""
 
   @functools.wraps(packed_bwd)
   def padded(q, k, v, o, lse, do, dlse, q_start, q_used, k_start, k_used, mask, bias, tile_map, row_range,
@@ -189,31 +190,12 @@ def packed_backward_to_runs_aux(packed_bwd):
     s = k.shape[1]
     view = canonical.packed_view(canonical.Runs(q_start, q_used, k_start, k_used), t, s)
     flat = lambda x, rows: x.reshape((b * rows,) + x.shape[2:])
-    dq, dk, dv = packed_bwd(
+    dq, dk, dv, *delta = packed_bwd(
         flat(q, t), flat(k, s), flat(v, s), flat(o, t), _batch_to_rows(lse), flat(do, t),
         _batch_to_rows(dlse), *view, mask, bias, tile_map, row_range, col_range, _batch_to_rows(row_max),
         _batch_to_rows(log_sum), **static)
-    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
-
-  return padded
-
-
-def packed_backward_delta_to_runs_aux(packed_bwd):
-  """:func:`packed_backward_to_runs_aux` for a backward that also returns its Delta ``[N, B*T]``, as
-  ``[B, N, T]`` (the bias gradient's input)."""
-
-  @functools.wraps(packed_bwd)
-  def padded(q, k, v, o, lse, do, dlse, q_start, q_used, k_start, k_used, mask, bias, tile_map, row_range,
-             col_range, row_max, log_sum, **static):
-    b, t, n, h = q.shape
-    s = k.shape[1]
-    view = canonical.packed_view(canonical.Runs(q_start, q_used, k_start, k_used), t, s)
-    flat = lambda x, rows: x.reshape((b * rows,) + x.shape[2:])
-    dq, dk, dv, delta = packed_bwd(
-        flat(q, t), flat(k, s), flat(v, s), flat(o, t), _batch_to_rows(lse), flat(do, t),
-        _batch_to_rows(dlse), *view, mask, bias, tile_map, row_range, col_range, _batch_to_rows(row_max),
-        _batch_to_rows(log_sum), **static)
-    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), _rows_to_batch(delta, b, t)
+    grads = (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
+    return grads + ((_rows_to_batch(delta[0], b, t),) if with_delta else ())
 
   return padded
 
@@ -281,7 +263,7 @@ def partition_runs_backward_aux(fn, *, head_sharding: str = "reshard"):
 
 
 def partition_runs_backward_delta_aux(fn, *, head_sharding: str = "reshard"):
-  """:func:`partition_runs_backward_aux` for :func:`packed_backward_delta_to_runs_aux` (Delta
+  """:func:`partition_runs_backward_aux` for ``packed_backward_to_runs_aux(..., with_delta=True)`` (Delta
   ``[B, N, T]`` as a fourth result, split like the statistics)."""
   return _wrap(fn, _RUNS_BWD_ARGS, _RUNS_BWD_OUTS + (("b", "n", None),), _RUNS_BWD_RULE + ", b (k g) t",
                _PADDED_REPLICATED + ("r",), head_sharding, heads_of=lambda q, k: (q.shape[2], k.shape[2]),

@@ -69,7 +69,8 @@ def _partitioned_kernel(kind: str):
       "fwd_aux_runs": lambda: P.partition_runs_forward_aux(P.packed_to_runs_aux(_fwd_aux_packed)),
       "bwd_aux_runs": lambda: P.partition_runs_backward_aux(P.packed_backward_to_runs_aux(_bwd_aux_packed)),
       "bwd_aux_delta_runs": lambda: P.partition_runs_backward_delta_aux(
-          P.packed_backward_delta_to_runs_aux(functools.partial(_bwd_aux_packed, return_delta=True))),
+          P.packed_backward_to_runs_aux(functools.partial(_bwd_aux_packed, return_delta=True),
+                                        with_delta=True)),
       "dbias_runs": lambda: P.partition_runs_dbias(P.packed_dbias_to_runs(_dbias_packed)),
       "fwd_packed": lambda: P.partition_packed_forward(fwd),
       "fwd_runs": lambda: P.partition_runs_forward(P.packed_to_runs(fwd)),
