@@ -156,8 +156,9 @@ def store_exact_delta(
     when the values share a large component, dP_j - Delta is a small difference of large terms and that
     rounding is all of it.  With sum_j P_j = 1, Delta + sum_j dS_j = rowsum(P * dP) to float32 rounding (the
     dQ kernel owns every key tile of its rows, so it can form it); the caller subtracts dlse for the bias
-    gradient.  Only the dQ kernel, launched last, writes it: the dK/dV kernel has read Delta before.  `sums`
-    are this thread's add_row_sums partials, reduced over the quad that shares each row here."""
+    gradient.  Only the dQ kernel, launched last, writes it: the dK/dV kernel has read Delta before.  A row
+    whose query tile visits no key tile may keep the preprocess's value: its P is 0 everywhere, so no dS
+    reads it.  `sums` are this thread's add_row_sums partials, reduced over the quad that shares each row."""
     lane = cute.arch.lane_idx()
     for r in cutlass.range_constexpr(cute.size(sums)):
         total = quad_allreduce(sums[r], lambda a, b: a + b)

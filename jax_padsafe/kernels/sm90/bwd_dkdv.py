@@ -322,7 +322,8 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         for the previous tile's consumers to release sK / sV (after its last step with staging tiles, after its
         epilogue at head dims 192 / 256), and these loads need not.  `aux_tile` (aux variant: (BwdAux, sequence,
         m_max, q_len, k_len)): the steps walk each query head's narrowed range (bwd_aux.dkdv_first / dkdv_next),
-        as the consumers do; the "bias" kind prefetches each step's bias into L2 with its Q / dO loads.  Returns the advanced pipeline states."""
+        as the consumers do; the "bias" kind prefetches each step's bias into L2 with its Q / dO loads.
+        Returns the advanced pipeline states."""
         BN, HD = self.block_n, self.head_dim
         tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V = tmas
         # The aux variant's step cursor: (query head, query tile, end of that head's range).

@@ -23,8 +23,9 @@ class DKDVSteps:
         `release_kv`: free the K / V stage for the next tile: right after the last step's GEMMs where `out_tiles` (two staging tiles of
         sK's layout) take dK / dV, else once the epilogue, staged through sK / sV, has read them.
         `aux_tile` (aux variants: (bwd_aux.BwdAux, sequence, m_max, q_len, k_len)): the steps walk each query
-        head's narrowed range as the producer does (`total` counts them).  "bias": S^T becomes natural-unit scores with the head's
-        mask and bias (aux_scores.scores), and P^T comes from the forward's m and ln l (bwd_scores.probs_exact);
+        head's narrowed range as the producer does (`total` counts them).  "bias": S^T becomes natural-unit
+        scores with the head's mask and bias (aux_scores.scores), and P^T comes from the forward's m and ln l
+        (bwd_scores.probs_exact);
         "mask": S^T gets -inf where the head's mask hides a pair (aux_scores.mask_scores), and P^T comes from lse
         as in the plain kernel."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
