@@ -260,11 +260,26 @@ def ring_attention(
   # Sanitise before any arithmetic (selects): padded rows become exact zeros, and the gradient of
   # the select routes exact zeros to them.
   q, k, v = visibility.zero_padded_inputs(query, key, value, problem.q_seg, problem.k_seg)
+  # Head dims without a compiled kernel run zero-padded to the next one (exact: see cute.widen).
+  width = _ring_width(cfg, q, v)
+  if width != h:
+    if cfg.kernel_bwd and cute.kernel_width(spec, q, v, aux=False, direction="backward") != width:
+      cfg = dataclasses.replace(cfg, kernel_bwd=False)
+    q, k, v = (cute.widen(x, width) for x in (q, k, v))
   sp = cfg.specs()
   q, k, v = (_constrain(x, mesh, sp["x"]) for x in (q, k, v))
   q_seg, k_seg, q_pos, k_pos = (_constrain(x, mesh, sp["row"]) for x in problem.rows())
   out, lse = _ring(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
+  out = out[..., :value.shape[-1]]
   return (out, lse) if return_lse else out
+
+
+def _ring_width(cfg, q, v) -> int:
+  """The head dim the ring's chunk pairs run at: the kernels' compiled one where they are used."""
+  direction = "forward" if cfg.kernel_fwd else "backward" if cfg.kernel_bwd else None
+  if direction is None:
+    return q.shape[-1]
+  return cute.kernel_width(cfg.spec, q, v, aux=False, direction=direction) or q.shape[-1]
 
 
 def _has_explicit_axes(mesh):

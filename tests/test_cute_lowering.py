@@ -96,10 +96,19 @@ def test_unsupported_reason():
     assert library.unsupported_reason(**base) is None
     assert library.unsupported_reason(**{**base, "dtype": jnp.float16}) is None
     assert library.unsupported_reason(**{**base, "aux": True}) is None  # masks and biases: the aux variants
-    for bad in ({"dtype": jnp.float32}, {"head_dim": 80, "head_dim_v": 80}, {"head_dim_v": 64},
+    for bad in ({"dtype": jnp.float32}, {"head_dim": 320, "head_dim_v": 320}, {"head_dim_v": 264},
                 {"aux": True, "softcap": 30.0}, {"num_kv_heads": 5}):
         reason = library.unsupported_reason(**{**base, **bad})
         assert isinstance(reason, str) and reason
+    # Head dims between the built ones run zero-padded to the next built one; the raw kernel entry points
+    # (exact=True) take the built ones only.
+    for dims, width in (((80, 80), 96), ((8, 8), 64), ((72, 72), 96), ((200, 200), 256), ((192, 128), 192),
+                        ((64, 96), 96)):
+        assert library.unsupported_reason(**{**base, "head_dim": dims[0], "head_dim_v": dims[1]}) is None
+        assert library.unsupported_reason(**{**base, "head_dim": dims[0], "head_dim_v": dims[1]},
+                                          exact=True)
+        assert library.kernel_head_dim(dtype=jnp.bfloat16, head_dim=dims[0], head_dim_v=dims[1]) == width
+    assert library.kernel_head_dim(dtype=jnp.bfloat16, head_dim=264) is None
 
 
 def test_library_available_never_raises(monkeypatch, tmp_path):

@@ -96,6 +96,29 @@ def test_backward_large_head_dims_reach_kernels(kernels_built, h):
   assert TARGET in grad_targets and "jax_padsafe_bwd" in grad_targets
 
 
+@pytest.mark.parametrize("h,width", [(80, 96), (72, 96), (40, 64), (8, 64), (136, 192), (200, 256)])
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
+def test_head_dims_between_built_ones_run_zero_padded(kernels_built, h, width, masked):
+  """A head dim without a compiled kernel runs on the next wider one, forward and backward, with q, k, v
+  (and o, dO in the backward) zero-padded to it: the kernel calls see the compiled width and the results
+  come back at the call's head dim."""
+  lens = jnp.array([16, 5], jnp.int32)
+  mask = jnp.tril(jnp.ones((16, 24), bool))[None, None] if masked else None
+
+  def loss(q, k, v):
+    o = jax_padsafe.dot_product_attention(q, k, v, mask=mask, query_seq_lengths=lens, implementation="cute")
+    assert o.shape == q.shape
+    return jnp.sum(o.astype(jnp.float32))
+
+  text = _lowered(jax.grad(loss, (0, 1, 2)), *_qkv(h=h))
+  fwd, bwd = (AUX_TARGET, "jax_padsafe_bwd_aux") if masked else (TARGET, "jax_padsafe_bwd")
+  assert fwd in _targets(text) and bwd in _targets(text)
+  calls = [line for line in text.splitlines() if "stablehlo.custom_call @jax_padsafe" in line]
+  assert all(f"x{width}xbf16>" in line and f"x{h}xbf16>" not in line for line in calls), calls
+  out = jax.eval_shape(jax.grad(loss, (0, 1, 2)), *_qkv(h=h))
+  assert [x.shape[-1] for x in out] == [h, h, h]
+
+
 def test_backward_without_kernel_variant_uses_pure_jax(kernels_built, monkeypatch):
   """A library built without the backward variant of a head dim (here: a build restricted to hd64/128,
   as JPS_HEAD_DIMS=64,128 gives) keeps the forward kernel for hd192 but runs its gradient on the
@@ -129,9 +152,9 @@ def test_varlen_lowers_to_custom_call(kernels_built):
 
 @pytest.mark.parametrize("case", ["mask_with_segment_ids", "bias_of_other_dtype", "mask_with_softcap",
                                   "bias_per_query_only", "float32", "noncontiguous_segment_ids",
-                                  "head_dim_80"])
+                                  "head_dim_264"])
 def test_unsupported_falls_back_or_raises(kernels_built, case):
-  q, k, v = _qkv(h=80 if case == "head_dim_80" else 64,
+  q, k, v = _qkv(h=264 if case == "head_dim_264" else 64,
                  dtype=jnp.float32 if case == "float32" else jnp.bfloat16)
   kw = {}
   if case in ("mask_with_segment_ids", "mask_with_softcap"):

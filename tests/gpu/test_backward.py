@@ -53,6 +53,18 @@ def test_padded_lengths(dtype, h, feature):
   helpers.check_problem(p, DTYPES[dtype], "cute", seed=h, dirty=True)
 
 
+OTHER_DIMS = [("bf16", h, f) for h in (8, 40, 72, 80, 104, 136, 200) for f in ("plain", "causal_tl")] + [
+    ("fp16", 80, "window_causal_br")]
+
+
+@pytest.mark.parametrize("dtype,h,feature", OTHER_DIMS, ids=_ids(OTHER_DIMS))
+def test_head_dims_between_built_ones(dtype, h, feature):
+  """Head dims without a kernel of their own run zero-padded on the next wider one: the whole contract."""
+  p = helpers.random_problem(np.random.default_rng(h), h=h, **cases.DENSE_LAYOUT, **FEATURES[feature])
+  assert test_fuzz.dense_reaches_kernels(p, DTYPES[dtype]), "does not lower to both kernels"
+  helpers.check_problem(p, DTYPES[dtype], "cute", seed=h, dirty=True)
+
+
 @pytest.mark.parametrize("h", [64, 128, 256], ids=lambda h: f"hd{h}")
 def test_deterministic(h):
   d = cases.packed_case(h, cases.GQA7_LAYOUT, h, "causal_br")

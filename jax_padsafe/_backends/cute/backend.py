@@ -166,10 +166,34 @@ def cute_forward(spec, q, k, v, bias, mask, problem):
   return cute_forward_with_stats(spec, q, k, v, bias, mask, problem)[:2]
 
 
+def kernel_width(spec: AttentionSpec, q, v, *, aux: bool, direction: str = "forward") -> int | None:
+  """The compiled head dim this call runs at (``library.kernel_head_dim``), or None."""
+  return library.kernel_head_dim(dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
+                                 softcap=spec.softcap, aux=aux, direction=direction)
+
+
+def widen(x, width: int):
+  """``x`` with its head dim (last axis) zero-padded to ``width``: zero columns add exact zeros to every
+  score and give zero output columns, so a kernel compiled for ``width`` computes the narrower problem."""
+  pad = width - x.shape[-1]
+  return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
 def cute_forward_with_stats(spec, q, k, v, bias, mask, problem):
   """``(o, lse, stats)``: ``stats`` is ``None`` without a mask or bias, else the exact row statistics
   ``(row_max, log_sum)`` ``[B, N, T]`` of the aux kernels and the mask's block summary
-  (:func:`_aux_forward`)."""
+  (:func:`_aux_forward`). Head dims without a compiled kernel run zero-padded to the next one."""
+  h, hv = q.shape[-1], v.shape[-1]
+  width = kernel_width(spec, q, v, aux=bias is not None or mask is not None)
+  if width is not None and (width != h or width != hv):
+    o, lse, stats = _forward_compiled_width(spec, widen(q, width), widen(k, width), widen(v, width), bias,
+                                            mask, problem)
+    return o[..., :hv], lse, stats
+  return _forward_compiled_width(spec, q, k, v, bias, mask, problem)
+
+
+def _forward_compiled_width(spec, q, k, v, bias, mask, problem):
+  """:func:`cute_forward_with_stats` for head dims the kernels are compiled for."""
   if bias is not None or mask is not None:
     return _aux_forward(spec, q, k, v, bias, mask, problem)
   static = tuple(sorted(_problem_static_args(spec, problem).items()))
@@ -226,7 +250,20 @@ def backward_supported(spec: AttentionSpec, q, k) -> bool:
 
 
 def cute_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats=None):
-  """Backward on the GPU kernels (CUDA) where built and supported, else the pure-JAX backward."""
+  """Backward on the GPU kernels (CUDA) where built and supported, else the pure-JAX backward. Head dims
+  without a compiled kernel run zero-padded to the next one, as in the forward."""
+  h, hv = q.shape[-1], v.shape[-1]
+  width = kernel_width(spec, q, v, aux=bias is not None or mask is not None, direction="backward")
+  if width is not None and (width != h or width != hv):
+    dq, dk, dv, dbias = _backward_compiled_width(
+        spec, widen(q, width), widen(k, width), widen(v, width), bias, mask, problem, widen(o, width), lse,
+        widen(do, width), dlse, stats)
+    return dq[..., :h], dk[..., :h], dv[..., :hv], dbias
+  return _backward_compiled_width(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats)
+
+
+def _backward_compiled_width(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats=None):
+  """:func:`cute_backward` for head dims the kernels are compiled for (or the pure-JAX backward)."""
   if bias is not None or mask is not None:
     return _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats)
   if not backward_supported(spec, q, k):

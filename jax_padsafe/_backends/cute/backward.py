@@ -56,7 +56,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, sequse
                     f"{q.dtype}, {k.dtype}, {v.dtype}, {o.dtype}, {do.dtype}")
   reason = library.unsupported_reason(dtype=q.dtype, head_dim=h, num_heads=n, num_kv_heads=kh, causal=causal,
                                       window=(window_left, window_right), softcap=softcap,
-                                      aux=aux is not None, direction="backward")
+                                      aux=aux is not None, direction="backward", exact=True)
   if reason is not None:
     raise NotImplementedError(reason)
   library.backward_available()  # registers the target when the library is present

@@ -47,7 +47,7 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, 
     raise TypeError(f"flash_forward: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
   reason = library.unsupported_reason(dtype=q.dtype, head_dim=h, head_dim_v=v.shape[-1], num_heads=n,
                                       num_kv_heads=kh, causal=causal, window=(window_left, window_right),
-                                      softcap=softcap, aux=aux is not None)
+                                      softcap=softcap, aux=aux is not None, exact=True)
   if reason is not None:
     raise NotImplementedError(reason)
   library.library_available()  # registers the target when the library is present

@@ -271,18 +271,56 @@ def built_variants(direction: str = "forward"):
   return tuple((ARCH_NAMES.get(a, str(a)), str(inv[d]), h, bool(c)) for a, d, h, c in variants)
 
 
+def _built_head_dims(dt, cap: bool, aux: bool, direction: str):
+  """The head dims the loaded library has kernels of ``direction`` for (this dtype, softcap or not, aux
+  or not), sorted; ``DEFAULT_HEAD_DIMS`` without a library; a sentence when the library has no aux
+  kernels at all."""
+  available = library_available() if direction == "forward" else backward_available()
+  variants = _variants(direction) if available else None
+  if variants is None:
+    return DEFAULT_HEAD_DIMS
+  if aux:
+    variants = getattr(loaded(), f"{direction}_aux")
+    if not variants:
+      what = "forward" if direction == "forward" else "backward"
+      return (f"the kernel library has no {what} kernels for masks and biases "
+              "(built with JPS_AUX=0, or from older sources)")
+  code = DTYPE_CODES[dt]
+  return tuple(sorted({h for (_, d, h, c) in variants if d == code and bool(c) == cap}))
+
+
+def kernel_head_dim(*, dtype, head_dim: int, head_dim_v: int | None = None, softcap=None, aux: bool = False,
+                    direction: str = "forward") -> int | None:
+  """The compiled head dim the kernels run a call with these head dims at: the narrowest built one (the
+  default build's without a library) at least as wide as Q/K's and V's, or None.
+
+  Narrower operands are zero-padded to it: a zero column adds an exact 0 to every score and gives an
+  output column of zeros (sliced off), so the results are those of the narrower problem. Never raises."""
+  dt = jnp.dtype(dtype)
+  if dt not in DTYPE_CODES:
+    return None
+  dims = _built_head_dims(dt, bool(softcap and softcap > 0), aux, direction)
+  if isinstance(dims, str):
+    return None
+  need = max(head_dim, head_dim if head_dim_v is None else head_dim_v)
+  return next((d for d in dims if d >= need), None)
+
+
 def unsupported_reason(*, dtype, head_dim, num_heads, num_kv_heads, causal, window, softcap,
-                       head_dim_v=None, aux: bool = False, direction: str = "forward"):
+                       head_dim_v=None, aux: bool = False, direction: str = "forward", exact: bool = False):
   """None if the kernels of ``direction`` support this static combination, else a sentence why not.
-  ``aux``: the call passes a mask or a bias (the aux variants, built without softcap only)."""
+  ``aux``: the call passes a mask or a bias (the aux variants, built without softcap only).
+  ``exact``: the operands must have a built head dim themselves (the raw kernel entry points); otherwise
+  any head dims up to the widest built one are supported, zero-padded to a built one (`kernel_head_dim`)."""
   del causal, window  # every variant has them
   # "the CuTe forward kernel supports ..." / "the CuTe backward kernels support ..."
   what, verb = ("forward kernel", "supports") if direction == "forward" else ("backward kernels", "support")
   dt = jnp.dtype(dtype)
   if dt not in DTYPE_CODES:
     return f"the CuTe {what} {verb} bfloat16 and float16 inputs, not {dt}"
-  if head_dim_v is not None and head_dim_v != head_dim:
-    return f"the CuTe {what} needs the same head dim for V as for Q/K (got {head_dim} and {head_dim_v})"
+  hv = head_dim if head_dim_v is None else head_dim_v
+  if exact and hv != head_dim:
+    return f"the CuTe {what} needs the same head dim for V as for Q/K (got {head_dim} and {hv})"
   if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
     return f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
   if num_heads > 65535:
@@ -292,24 +330,19 @@ def unsupported_reason(*, dtype, head_dim, num_heads, num_kv_heads, causal, wind
   cap = bool(softcap and softcap > 0)
   if aux and cap:
     return f"the CuTe {what} {verb} a mask or bias without softcap only"
-  available = library_available() if direction == "forward" else backward_available()
-  variants = _variants(direction) if available else None
-  if variants is not None and aux:
-    variants = getattr(loaded(), f"{direction}_aux")
-    if not variants:
-      return (f"the kernel library has no {what.split()[0]} kernels for masks and biases "
-              "(built with JPS_AUX=0, or from older sources)")
-  if variants is not None:
-    code = DTYPE_CODES[dt]
-    have = {(h, c) for (_, d, h, c) in variants if d == code}
-    if (head_dim, cap) not in have:
-      dims = sorted({h for h, c in have if c == cap})
-      kernels = "kernels" if direction == "forward" else "backward kernels"
-      return (f"the built CuTe {kernels} have no {dt} variant for head dim {head_dim}"
-              f"{' with softcap' if cap else ''}{' with a mask or bias' if aux else ''} (built: {dims})")
-  elif head_dim not in DEFAULT_HEAD_DIMS:
-    return f"the CuTe {what} {verb} head dims {DEFAULT_HEAD_DIMS}, not {head_dim}"
-  return None
+  dims = _built_head_dims(dt, cap, aux, direction)
+  if isinstance(dims, str):
+    return dims
+  if (head_dim in dims) if exact else any(d >= max(head_dim, hv) for d in dims):
+    return None
+  built = library_available() if direction == "forward" else backward_available()
+  kernels = "kernels" if direction == "forward" else "backward kernels"
+  dims_text = (f"head dim {head_dim}" if hv == head_dim else f"head dims {head_dim} (Q/K) and {hv} (V)")
+  if not built:
+    return (f"the CuTe {what} {verb} head dims up to {max(dims)}"
+            f"{f' (exactly {dims})' if exact else ''}, not {dims_text}")
+  return (f"the built CuTe {kernels} have no {dt} variant for {dims_text}"
+          f"{' with softcap' if cap else ''}{' with a mask or bias' if aux else ''} (built: {list(dims)})")
 
 
 def check_operands(caller: str, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *,
