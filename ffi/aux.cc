@@ -23,9 +23,9 @@ bool Broadcasts(const ffi::AnyBuffer &x, const Problem &p, int64_t T, int64_t S)
 }  // namespace
 
 ffi::Error CheckAux(const char *target, const Problem &p, ffi::DataType q_dtype, const AuxOperands &aux,
-                    int32_t *flags) {
-  for (const ffi::AnyBuffer *x : {aux.mask, aux.bias, aux.tile_map, aux.row_range, aux.col_range})
-    if (!Rank4(*x)) return InvalidArgument(target, "the mask, bias and block-map operands must be rank 4");
+                    int32_t bottom_right, int32_t *flags) {
+  for (const ffi::AnyBuffer *x : {aux.mask, aux.bias, aux.tile_map, aux.row_range, aux.col_range, aux.slopes})
+    if (!Rank4(*x)) return InvalidArgument(target, "the mask, bias, block-map and slope operands must be rank 4");
   if (p.batch <= 0 || p.total_q % p.batch || p.total_k % p.batch)
     return InvalidArgument(target, "masks and biases need the padded layout (total_q and total_k multiples of B)");
   const int64_t T = p.total_q / p.batch, S = p.total_k / p.batch;
@@ -53,6 +53,13 @@ ffi::Error CheckAux(const char *target, const Problem &p, ffi::DataType q_dtype,
     if (!Broadcasts(*aux.bias, p, T, S))
       return InvalidArgument(target, "the bias must be [1|B, 1|K|N, 1|T, S] for q [B*T, N, H], k [B*S, K, H]");
     f |= bt == ffi::DataType::F32 ? kAuxBias32 : kAuxBias;
+  }
+  if (aux.has_alibi) {
+    auto d = aux.slopes->dimensions();
+    if (aux.slopes->element_type() != ffi::DataType::F32 || (d[0] != 1 && d[0] != p.batch) ||
+        d[1] != p.num_heads || d[2] != 1 || d[3] != 1)
+      return InvalidArgument(target, "the ALiBi slopes must be float32 [1|B, N, 1, 1]");
+    f |= kAuxAlibi | (bottom_right ? kAuxAlibiBottomRight : 0);
   }
   *flags = f;
   return ffi::Error::Success();

@@ -4,28 +4,32 @@
 // The aux variants take the padded layout only (sequence b's rows b*T .. b*T+T-1, T = total_q / B): the mask
 // and bias are [Bx, Hx, Tx, S] with Bx in {1, B}, Hx in {1, K, N}, Tx in {1, T}, S = total_k / B; the block
 // map [Bx, Hx, ceil(Tx/32), ceil(S/16)] (uint8), row ranges [Bx, Hx, ceil(Tx/32), 2] and column ranges
-// [Bx, Hx, ceil(S/16), 2] (int32) are the mask's summary (jax_padsafe/_backends/cute/aux.py computes it).
+// [Bx, Hx, ceil(S/16), 2] (int32) are the mask's summary (jax_padsafe/_backends/cute/aux.py computes it); the
+// ALiBi slopes are float32 [Bx, N, 1, 1] (the kernels compute each score's term from the indices).
 // Operands whose flag is clear may be any rank-4 placeholder: the kernels never read them.
 #pragma once
 #include "common.h"
 
 namespace jps {
 
-enum AuxFlag : int32_t { kAuxMask = 1, kAuxBias = 2, kAuxBias32 = 4 };
+enum AuxFlag : int32_t { kAuxMask = 1, kAuxBias = 2, kAuxBias32 = 4, kAuxAlibi = 8, kAuxAlibiBottomRight = 16 };
 
 // The variant kind a call takes (the registries' `aux` column): a mask alone runs the mask kind (the plain
-// kernels' scores and softmax plus the mask), anything with a bias the bias kind (natural-unit scores).
+// kernels' scores and softmax plus the mask), anything with a bias or ALiBi the bias kind (natural-unit scores).
 enum AuxKindCode : int { kAuxKindMask = 1, kAuxKindBias = 2 };
-inline int AuxKind(int32_t flags) { return (flags & (kAuxBias | kAuxBias32)) ? kAuxKindBias : kAuxKindMask; }
+inline int AuxKind(int32_t flags) {
+  return (flags & (kAuxBias | kAuxBias32 | kAuxAlibi)) ? kAuxKindBias : kAuxKindMask;
+}
 
 struct AuxOperands {
-  const ffi::AnyBuffer *mask, *bias, *tile_map, *row_range, *col_range;
-  bool has_mask, has_bias;
+  const ffi::AnyBuffer *mask, *bias, *tile_map, *row_range, *col_range, *slopes;
+  bool has_mask, has_bias, has_alibi;
 };
 
-// Checks the aux operands of a call (p: CheckProblem's sizes, q's dtype) and returns the kernels' aux_flags.
+// Checks the aux operands of a call (p: CheckProblem's sizes, q's dtype) and returns the kernels' aux_flags
+// (bottom_right: the call's causal alignment, which the ALiBi distance shares).
 ffi::Error CheckAux(const char *target, const Problem &p, ffi::DataType q_dtype, const AuxOperands &aux,
-                    int32_t *flags);
+                    int32_t bottom_right, int32_t *flags);
 
 inline void AuxDims(const ffi::AnyBuffer &x, int32_t out[4]) {
   auto d = x.dimensions();
@@ -54,6 +58,8 @@ void FillAuxArgs(Args *a, const AuxOperands &aux, int32_t flags, float *row_max,
   AuxDims(*aux.col_range, a->col_range_dims);
   a->row_max = row_max;
   a->log_sum = log_sum;
+  a->slopes = aux.slopes->untyped_data();
+  AuxDims(*aux.slopes, a->slopes_dims);
   a->aux_flags = flags;
 }
 

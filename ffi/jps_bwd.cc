@@ -68,7 +68,7 @@ ffi::Error Backward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, f
     return e;
   int32_t aux_flags = 0;
   if (aux) {
-    if (ffi::Error e = jps::CheckAux(target, p, q.element_type(), aux->operands, &aux_flags); e.failure()) return e;
+    if (ffi::Error e = jps::CheckAux(target, p, q.element_type(), aux->operands, bottom_right, &aux_flags); e.failure()) return e;
     p.aux = jps::AuxKind(aux_flags);
     if (!jps::HasShape(aux->row_max->dimensions(), p.num_heads, p.total_q) ||
         !jps::HasShape(aux->log_sum->dimensions(), p.num_heads, p.total_q))
@@ -175,15 +175,17 @@ ffi::Error BwdAuxExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> dlse,
                          ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
                          ffi::Buffer<ffi::S32> used_k, ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer tile_map,
-                         ffi::AnyBuffer row_range, ffi::AnyBuffer col_range, ffi::Buffer<ffi::F32> row_max,
-                         ffi::Buffer<ffi::F32> log_sum, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                         ffi::AnyBuffer row_range, ffi::AnyBuffer col_range, ffi::AnyBuffer slopes,
+                         ffi::Buffer<ffi::F32> row_max, ffi::Buffer<ffi::F32> log_sum, ffi::Result<ffi::AnyBuffer> dq,
+                         ffi::Result<ffi::AnyBuffer> dk,
                          ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
                          ffi::Result<ffi::Buffer<ffi::S32>> tile_counters, float scale, float softcap,
                          int32_t window_left, int32_t window_right, int32_t causal, int32_t bottom_right,
                          int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t /*deterministic: always*/,
-                         int32_t rows_covered, int32_t has_mask, int32_t has_bias) {
-  const AuxBackward aux{{&mask, &bias, &tile_map, &row_range, &col_range, has_mask != 0, has_bias != 0}, &row_max,
-                        &log_sum};
+                         int32_t rows_covered, int32_t has_mask, int32_t has_bias, int32_t has_alibi) {
+  const AuxBackward aux{{&mask, &bias, &tile_map, &row_range, &col_range, &slopes, has_mask != 0, has_bias != 0,
+                         has_alibi != 0},
+                        &row_max, &log_sum};
   return Backward(kAuxTarget, stream, q, k, v, o, lse, dout, dlse, cu_q, cu_k, used_q, used_k, dq, dk, dv, delta,
                   tile_counters, scale, softcap, window_left, window_right, causal, bottom_right, max_seqlen_q,
                   max_seqlen_k, rows_covered, &aux);
@@ -198,10 +200,10 @@ ffi::Error DBiasExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> cu_q,
                         ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q, ffi::Buffer<ffi::S32> used_k,
                         ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer tile_map, ffi::AnyBuffer row_range,
-                        ffi::AnyBuffer col_range, ffi::Buffer<ffi::F32> row_max, ffi::Buffer<ffi::F32> log_sum,
-                        ffi::Result<ffi::AnyBuffer> dbias, float scale, int32_t window_left, int32_t window_right,
-                        int32_t causal, int32_t bottom_right, int32_t max_seqlen_q, int32_t max_seqlen_k,
-                        int32_t has_mask) {
+                        ffi::AnyBuffer col_range, ffi::AnyBuffer slopes, ffi::Buffer<ffi::F32> row_max,
+                        ffi::Buffer<ffi::F32> log_sum, ffi::Result<ffi::AnyBuffer> dbias, float scale,
+                        int32_t window_left, int32_t window_right, int32_t causal, int32_t bottom_right,
+                        int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t has_mask, int32_t has_alibi) {
   const char *target = kDBiasTarget;
   jps::Problem p{};
   if (ffi::Error e = jps::CheckProblem(target, q, k, v, cu_q, cu_k, used_q, used_k, scale, 0.0f, max_seqlen_q,
@@ -209,8 +211,9 @@ ffi::Error DBiasExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       e.failure())
     return e;
   int32_t aux_flags = 0;
-  const jps::AuxOperands ops{&mask, &bias, &tile_map, &row_range, &col_range, has_mask != 0, true};
-  if (ffi::Error e = jps::CheckAux(target, p, q.element_type(), ops, &aux_flags); e.failure()) return e;
+  const jps::AuxOperands ops{&mask, &bias, &tile_map, &row_range, &col_range, &slopes, has_mask != 0, true,
+                             has_alibi != 0};
+  if (ffi::Error e = jps::CheckAux(target, p, q.element_type(), ops, bottom_right, &aux_flags); e.failure()) return e;
   p.aux = jps::kAuxKindBias;
   const int64_t total_q = p.total_q, N = p.num_heads, H = p.head_dim, B = p.batch;
   const int64_t T = total_q / B, S = p.total_k / B;
@@ -320,6 +323,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_aux_execute, BwdAuxExecute,
                                   .Arg<ffi::AnyBuffer>()             // the mask's block map
                                   .Arg<ffi::AnyBuffer>()             // its row ranges
                                   .Arg<ffi::AnyBuffer>()             // its column ranges
+                                  .Arg<ffi::AnyBuffer>()             // ALiBi slopes [Bx, N, 1, 1] float32
                                   .Arg<ffi::Buffer<ffi::F32>>()      // the forward's row max [N, total_q]
                                   .Arg<ffi::Buffer<ffi::F32>>()      // the forward's ln of the row sum [N, total_q]
                                   .Ret<ffi::AnyBuffer>()             // dq
@@ -338,7 +342,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_aux_execute, BwdAuxExecute,
                                   .Attr<int32_t>("deterministic")
                                   .Attr<int32_t>("rows_covered")
                                   .Attr<int32_t>("has_mask")
-                                  .Attr<int32_t>("has_bias"),
+                                  .Attr<int32_t>("has_bias")
+                                  .Attr<int32_t>("has_alibi"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // The bias gradient target (initialize: jps_bwd_initialize).
@@ -359,6 +364,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_dbias_execute, DBiasExecute,
                                   .Arg<ffi::AnyBuffer>()             // the mask's block map
                                   .Arg<ffi::AnyBuffer>()             // its row ranges
                                   .Arg<ffi::AnyBuffer>()             // its column ranges
+                                  .Arg<ffi::AnyBuffer>()             // ALiBi slopes [Bx, N, 1, 1] float32
                                   .Arg<ffi::Buffer<ffi::F32>>()      // the forward's row max [N, total_q]
                                   .Arg<ffi::Buffer<ffi::F32>>()      // the forward's ln of the row sum [N, total_q]
                                   .Ret<ffi::AnyBuffer>()             // dbias: the bias's shape and dtype
@@ -369,7 +375,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_dbias_execute, DBiasExecute,
                                   .Attr<int32_t>("bottom_right")
                                   .Attr<int32_t>("max_seqlen_q")
                                   .Attr<int32_t>("max_seqlen_k")
-                                  .Attr<int32_t>("has_mask"),
+                                  .Attr<int32_t>("has_mask")
+                                  .Attr<int32_t>("has_alibi"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // The built variant table, for the Python side (built_variants, unsupported_reason).

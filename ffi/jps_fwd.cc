@@ -55,7 +55,7 @@ ffi::Error Forward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, ff
   if (tile_counter->element_count() < 1) return jps::InvalidArgument(target, "tile_counter must have at least one element");
   int32_t aux_flags = 0;
   if (aux) {
-    if (ffi::Error e = jps::CheckAux(target, p, q.element_type(), aux->operands, &aux_flags); e.failure()) return e;
+    if (ffi::Error e = jps::CheckAux(target, p, q.element_type(), aux->operands, bottom_right, &aux_flags); e.failure()) return e;
     p.aux = jps::AuxKind(aux_flags);
     for (auto *x : {aux->row_max, aux->log_sum}) {
       if (!jps::HasShape((*x)->dimensions(), p.num_heads, p.total_q))
@@ -129,14 +129,16 @@ ffi::Error FwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
 ffi::Error FwdAuxExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
                          ffi::Buffer<ffi::S32> used_k, ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer tile_map,
-                         ffi::AnyBuffer row_range, ffi::AnyBuffer col_range, ffi::Result<ffi::AnyBuffer> o,
+                         ffi::AnyBuffer row_range, ffi::AnyBuffer col_range, ffi::AnyBuffer slopes,
+                         ffi::Result<ffi::AnyBuffer> o,
                          ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
                          ffi::Result<ffi::Buffer<ffi::F32>> row_max, ffi::Result<ffi::Buffer<ffi::F32>> log_sum,
                          float scale, float softcap, int32_t window_left, int32_t window_right, int32_t causal,
                          int32_t bottom_right, int32_t max_seqlen_q, int32_t rows_covered, int32_t has_mask,
-                         int32_t has_bias) {
-  const AuxForward aux{{&mask, &bias, &tile_map, &row_range, &col_range, has_mask != 0, has_bias != 0}, &row_max,
-                       &log_sum};
+                         int32_t has_bias, int32_t has_alibi) {
+  const AuxForward aux{{&mask, &bias, &tile_map, &row_range, &col_range, &slopes, has_mask != 0, has_bias != 0,
+                        has_alibi != 0},
+                       &row_max, &log_sum};
   return Forward(kAuxTarget, stream, q, k, v, cu_q, cu_k, used_q, used_k, o, lse, tile_counter, scale, softcap,
                  window_left, window_right, causal, bottom_right, max_seqlen_q, rows_covered, &aux);
 }
@@ -190,6 +192,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_fwd_aux_execute, FwdAuxExecute,
                                   .Arg<ffi::AnyBuffer>()             // the mask's block map
                                   .Arg<ffi::AnyBuffer>()             // its row ranges
                                   .Arg<ffi::AnyBuffer>()             // its column ranges
+                                  .Arg<ffi::AnyBuffer>()             // ALiBi slopes [Bx, N, 1, 1] float32
                                   .Ret<ffi::AnyBuffer>()             // o
                                   .Ret<ffi::Buffer<ffi::F32>>()      // lse
                                   .Ret<ffi::Buffer<ffi::S32>>()      // tile counter (scratch)
@@ -204,7 +207,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_fwd_aux_execute, FwdAuxExecute,
                                   .Attr<int32_t>("max_seqlen_q")
                                   .Attr<int32_t>("rows_covered")
                                   .Attr<int32_t>("has_mask")
-                                  .Attr<int32_t>("has_bias"),
+                                  .Attr<int32_t>("has_bias")
+                                  .Attr<int32_t>("has_alibi"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // The built variant table, for the Python side (built_variants, unsupported_reason).

@@ -22,7 +22,10 @@ struct JpsFwdArgs {
   void *mask, *bias, *bias32, *tile_map, *row_range, *col_range;
   int32_t mask_dims[4], bias_dims[4], bias32_dims[4], map_dims[4], row_range_dims[4], col_range_dims[4];
   float *row_max, *log_sum;  // [N, total_q]: the forward writes them, the backward reads them
-  int32_t aux_flags;         // aux_scores.FLAG_*: 1 mask, 2 bias (input dtype), 4 bias (float32)
+  void *slopes;              // ALiBi slopes [Bx, N, 1, 1] float32
+  int32_t slopes_dims[4];
+  int32_t aux_flags;         // aux_scores.FLAG_*: 1 mask, 2 bias (input dtype), 4 bias (float32), 8 ALiBi,
+                             // 16 ALiBi with the bottom-right offset
 };
 
 typedef int32_t (*JpsFwdLaunchFn)(void *module, const JpsFwdArgs *args, cudaStream_t stream);

@@ -163,7 +163,7 @@ def packed_backward_to_runs(packed_bwd):
 
 def packed_to_runs_aux(packed_fn):
   """:func:`packed_to_runs` for the aux kernels: ``fn(q, k, v, q_start, q_used, k_start, k_used, mask, bias,
-  tile_map, row_range, col_range, **static) -> (o, lse, row_max, log_sum)`` (statistics ``[B, N, T]``); the
+  tile_map, row_range, col_range, slopes, **static) -> (o, lse, row_max, log_sum)`` (statistics ``[B, N, T]``); the
   packed function takes the aux operands after the sequence bounds and returns the statistics ``[N, B*T]``."""
 
   @functools.wraps(packed_fn)
@@ -185,14 +185,14 @@ def packed_backward_to_runs_aux(packed_bwd, with_delta: bool = False):
 
   @functools.wraps(packed_bwd)
   def padded(q, k, v, o, lse, do, dlse, q_start, q_used, k_start, k_used, mask, bias, tile_map, row_range,
-             col_range, row_max, log_sum, **static):
+             col_range, slopes, row_max, log_sum, **static):
     b, t, n, h = q.shape
     s = k.shape[1]
     view = canonical.packed_view(canonical.Runs(q_start, q_used, k_start, k_used), t, s)
     flat = lambda x, rows: x.reshape((b * rows,) + x.shape[2:])
     dq, dk, dv, *delta = packed_bwd(
         flat(q, t), flat(k, s), flat(v, s), flat(o, t), _batch_to_rows(lse), flat(do, t),
-        _batch_to_rows(dlse), *view, mask, bias, tile_map, row_range, col_range, _batch_to_rows(row_max),
+        _batch_to_rows(dlse), *view, mask, bias, tile_map, row_range, col_range, slopes, _batch_to_rows(row_max),
         _batch_to_rows(log_sum), **static)
     grads = (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
     return grads + ((_rows_to_batch(delta[0], b, t),) if with_delta else ())
@@ -202,18 +202,19 @@ def packed_backward_to_runs_aux(packed_bwd, with_delta: bool = False):
 
 def packed_dbias_to_runs(packed_fn):
   """The bias gradient on the padded layout: ``fn(q, k, v, do, delta, q_start, q_used, k_start, k_used,
-  mask, bias, tile_map, row_range, col_range, row_max, log_sum, **static) -> dbias`` (Delta and the
+  mask, bias, tile_map, row_range, col_range, slopes, row_max, log_sum, **static) -> dbias`` (Delta and the
   statistics ``[B, N, T]``); the packed function takes them ``[N, B*T]``."""
 
   @functools.wraps(packed_fn)
   def padded(q, k, v, do, delta, q_start, q_used, k_start, k_used, mask, bias, tile_map, row_range, col_range,
-             row_max, log_sum, **static):
+             slopes, row_max, log_sum, **static):
     b, t, n, h = q.shape
     s = k.shape[1]
     view = canonical.packed_view(canonical.Runs(q_start, q_used, k_start, k_used), t, s)
     flat = lambda x, rows: x.reshape((b * rows,) + x.shape[2:])
     return packed_fn(flat(q, t), flat(k, s), flat(v, s), flat(do, t), _batch_to_rows(delta), *view, mask, bias,
-                     tile_map, row_range, col_range, _batch_to_rows(row_max), _batch_to_rows(log_sum), **static)
+                     tile_map, row_range, col_range, slopes, _batch_to_rows(row_max), _batch_to_rows(log_sum),
+                     **static)
 
   return padded
 
@@ -315,9 +316,9 @@ def _wrap(fn, arg_roles, out_roles, rule, replicated, head_sharding, heads_of,
     roles_all, rule_all, replicated_all = arg_roles, rule, replicated
     outs, reduce = out_roles, ()
     if aux_at is not None:
-      # The aux operands (5: mask, bias, block map, row and column ranges), then, for the backward, the
+      # The aux operands (6: mask, bias, block map, row and column ranges, ALiBi slopes), then, for the backward, the
       # forward's statistics: roles and rule terms from their shapes.
-      n_aux = 5
+      n_aux = 6
       aux_roles, aux_rule, own = _aux_terms([a.shape for a in args[aux_at:aux_at + n_aux]],
                                             args[0].shape[0], heads_of(args[0], args[1])[0])
       tail_roles, tail_rule = aux_tail or ((), "")

@@ -34,8 +34,20 @@ class AuxOperands(NamedTuple):
   tile_map: jax.Array   # uint8 [Bx, Hx, ceil(Tx/32), ceil(S/16)]
   row_range: jax.Array  # int32 [Bx, Hx, ceil(Tx/32), 2]
   col_range: jax.Array  # int32 [Bx, Hx, ceil(S/16), 2]
+  slopes: jax.Array     # float32 [Bx, N, 1, 1]: ALiBi slopes (the kernels compute each score's term)
   has_mask: bool
   has_bias: bool
+  has_alibi: bool = False
+
+  @property
+  def arrays(self) -> tuple:
+    """The operands in the kernels' order (mask, bias, block map, row ranges, column ranges, slopes)."""
+    return (self.mask, self.bias, self.tile_map, self.row_range, self.col_range, self.slopes)
+
+  @property
+  def flags(self) -> dict:
+    """The static flags the kernel calls take with them."""
+    return dict(has_mask=self.has_mask, has_bias=self.has_bias, has_alibi=self.has_alibi)
 
 
 def unsupported_reason(problem, q, bias, mask) -> str | None:
@@ -90,10 +102,11 @@ def block_summary(mask):
   return tile_map, row_range.astype(jnp.int32), col_range.astype(jnp.int32)
 
 
-def operands(bias, mask, summary=()) -> AuxOperands:
-  """The kernels' aux operands for a call with ``bias`` and/or ``mask`` (rank 4, broadcastable);
-  ``summary``: the mask's :func:`block_summary` where the forward made it already."""
-  has_mask, has_bias = mask is not None, bias is not None
+def operands(bias, mask, summary=(), alibi_slopes=None) -> AuxOperands:
+  """The kernels' aux operands for a call with ``bias``, ``mask`` (rank 4, broadcastable) and / or ALiBi
+  slopes (``[N]`` or ``[B, N]``); ``summary``: the mask's :func:`block_summary` where the forward made it
+  already."""
+  has_mask, has_bias, has_alibi = mask is not None, bias is not None, alibi_slopes is not None
   if has_mask:
     tile_map, row_range, col_range = summary or block_summary(mask)
   else:
@@ -102,4 +115,9 @@ def operands(bias, mask, summary=()) -> AuxOperands:
     row_range = col_range = jnp.zeros((1, 1, 1, 2), jnp.int32)
   if not has_bias:
     bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
-  return AuxOperands(mask, bias, tile_map, row_range, col_range, has_mask, has_bias)
+  if has_alibi:
+    slopes = jnp.asarray(alibi_slopes, jnp.float32)
+    slopes = slopes.reshape((1,) * (2 - slopes.ndim) + slopes.shape + (1, 1))
+  else:
+    slopes = jnp.zeros((1, 1, 1, 1), jnp.float32)
+  return AuxOperands(mask, bias, tile_map, row_range, col_range, slopes, has_mask, has_bias, has_alibi)

@@ -81,31 +81,31 @@ def _partitioned_kernel(kind: str):
   }[kind]()
 
 
-def _fwd_aux_packed(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range, col_range, *,
-                    has_mask, has_bias, **static):
+def _fwd_aux_packed(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range, col_range, slopes, *,
+                    has_mask, has_bias, has_alibi, **static):
   """``flash_forward`` with its aux operands as positional arrays (for the partitioning wrappers)."""
-  ops = aux_ops.AuxOperands(mask, bias, tile_map, row_range, col_range, has_mask, has_bias)
+  ops = aux_ops.AuxOperands(mask, bias, tile_map, row_range, col_range, slopes, has_mask, has_bias, has_alibi)
   return cute_forward_ops.flash_forward(q, k, v, cu_q, cu_k, used_q, used_k, **static, aux=ops)
 
 
 def _bwd_aux_packed(q, k, v, o, lse, do, dlse, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range,
-                    col_range, row_max, log_sum, *, has_mask, has_bias, **static):
+                    col_range, slopes, row_max, log_sum, *, has_mask, has_bias, has_alibi, **static):
   """``flash_backward`` with its aux operands and statistics as positional arrays."""
-  ops = aux_ops.AuxOperands(mask, bias, tile_map, row_range, col_range, has_mask, has_bias)
+  ops = aux_ops.AuxOperands(mask, bias, tile_map, row_range, col_range, slopes, has_mask, has_bias, has_alibi)
   return cute_backward_ops.flash_backward(q, k, v, o, lse, do, dlse, cu_q, cu_k, used_q, used_k, **static,
                                           aux=ops, stats=(row_max, log_sum))
 
 
 def _dbias_packed(q, k, v, do, delta, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range, col_range,
-                  row_max, log_sum, *, has_mask, has_bias, **static):
+                  slopes, row_max, log_sum, *, has_mask, has_bias, has_alibi, **static):
   """``flash_dbias`` with its aux operands and statistics as positional arrays."""
-  ops = aux_ops.AuxOperands(mask, bias, tile_map, row_range, col_range, has_mask, has_bias)
+  ops = aux_ops.AuxOperands(mask, bias, tile_map, row_range, col_range, slopes, has_mask, has_bias, has_alibi)
   return cute_backward_ops.flash_dbias(q, k, v, do, delta, cu_q, cu_k, used_q, used_k, aux=ops,
                                        stats=(row_max, log_sum), **static)
 
 
 # Positions of the aux operands ([Bx, ...], Bx in {1, B}) among a kernel call's arguments.
-_AUX_POSITIONS = {"fwd_aux_runs": range(7, 12), "bwd_aux_runs": range(11, 16), "bwd_aux_delta_runs": range(11, 16)}
+_AUX_POSITIONS = {"fwd_aux_runs": range(7, 13), "bwd_aux_runs": range(11, 17), "bwd_aux_delta_runs": range(11, 17)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,11 +219,10 @@ def _aux_forward(spec, q, k, v, bias, mask, problem):
   """The forward with a mask and/or bias on the aux kernels (padded layout with lengths)."""
   b, t, n, _ = q.shape
   ops = aux_ops.operands(bias, mask)
-  static = tuple(sorted(dict(_problem_static_args(spec, problem), has_mask=ops.has_mask,
-                             has_bias=ops.has_bias).items()))
+  static = tuple(sorted(dict(_problem_static_args(spec, problem), **ops.flags).items()))
 
   def on_cuda(q, k, v):
-    o, lse, row_max, log_sum = _kernel_call("fwd_aux_runs", static)(q, k, v, *problem.kernel, *ops[:5])
+    o, lse, row_max, log_sum = _kernel_call("fwd_aux_runs", static)(q, k, v, *problem.kernel, *ops.arrays)
     return o, lse, (row_max, log_sum)
 
   def elsewhere(q, k, v):
@@ -302,16 +301,16 @@ def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
   row_stats = xla.row_stats_from_kernels(o, *stats, num_kv)
   ops = aux_ops.operands(bias, mask, summary=summary)
   static = tuple(sorted(dict(_problem_static_args(spec, problem), deterministic=spec.deterministic,
-                             has_mask=ops.has_mask, has_bias=ops.has_bias).items()))
+                             **ops.flags).items()))
 
   kernel_dbias = bias is not None and bias.shape[2] == t and library.dbias_available(q.dtype, q.shape[-1])
 
   def on_cuda(q, k, v, o, lse, do, dlse):
     if kernel_dbias:
       return _kernel_call("bwd_aux_delta_runs", static)(q, k, v, o, lse, do, dlse.astype(jnp.float32),
-                                                        *problem.kernel, *ops[:5], *stats)
+                                                        *problem.kernel, *ops.arrays, *stats)
     return _kernel_call("bwd_aux_runs", static)(q, k, v, o, lse, do, dlse.astype(jnp.float32), *problem.kernel,
-                                                *ops[:5], *stats) + (jnp.zeros((b, n, t), jnp.float32),)
+                                                *ops.arrays, *stats) + (jnp.zeros((b, n, t), jnp.float32),)
 
   def elsewhere(q, k, v, o, lse, do, dlse):
     grads = _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, row_stats)[:3]
@@ -328,7 +327,7 @@ def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
     def dbias_on_cuda(q, k, v, o, lse, do, dlse, rowsum_p_dp):
       # The bias kind's dQ kernel leaves rowsum(P dP) of its recomputed P and dP in the Delta workspace.
       delta = rowsum_p_dp - dlse.astype(jnp.float32)
-      return _kernel_call("dbias_runs", static)(q, k, v, do, delta, *problem.kernel, *ops[:5], *stats)
+      return _kernel_call("dbias_runs", static)(q, k, v, do, delta, *problem.kernel, *ops.arrays, *stats)
 
     dbias = _run_kernel_or_fallback(problem, dbias_on_cuda if kernel_dbias else pure_dbias, pure_dbias,
                                     q, k, v, o, lse, do, dlse, delta)

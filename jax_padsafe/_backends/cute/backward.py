@@ -76,9 +76,8 @@ def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, sequse
   if aux is not None:
     if stats is None:
       raise ValueError("flash_backward: a mask or bias needs the forward's row statistics (stats=)")
-    operands += (aux.mask, aux.bias, aux.tile_map, aux.row_range, aux.col_range,
-                 *(x.astype(jnp.float32) for x in stats))
-    attrs = dict(has_mask=np.int32(aux.has_mask), has_bias=np.int32(aux.has_bias))
+    operands += aux.arrays + tuple(x.astype(jnp.float32) for x in stats)
+    attrs = {name: np.int32(flag) for name, flag in aux.flags.items()}
   call = jax.ffi.ffi_call(
       library.BACKWARD_AUX_TARGET if aux is not None else TARGET_NAME,
       (jax.ShapeDtypeStruct((total_q, n, h), q.dtype), jax.ShapeDtypeStruct((total_k, kh, h), q.dtype),
@@ -133,9 +132,9 @@ def flash_dbias(q, k, v, do, delta, cu_seqlens_q, cu_seqlens_k, seqused_q, sequs
   call = jax.ffi.ffi_call(library.BACKWARD_DBIAS_TARGET, jax.ShapeDtypeStruct(aux.bias.shape, aux.bias.dtype),
                           vmap_method="sequential")
   return call(q, k, v, do.astype(q.dtype), delta.astype(jnp.float32), cu_seqlens_q, cu_seqlens_k, seqused_q,
-              seqused_k, aux.mask, aux.bias, aux.tile_map, aux.row_range, aux.col_range,
-              *(x.astype(jnp.float32) for x in stats),
+              seqused_k, *aux.arrays, *(x.astype(jnp.float32) for x in stats),
               scale=np.float32(scale), window_left=library.window_attribute(window_left),
               window_right=library.window_attribute(window_right), causal=np.int32(bool(causal)),
               bottom_right=np.int32(bool(bottom_right)), max_seqlen_q=np.int32(max_seqlen_q),
-              max_seqlen_k=np.int32(max_seqlen_k), has_mask=np.int32(aux.has_mask))
+              max_seqlen_k=np.int32(max_seqlen_k), has_mask=np.int32(aux.has_mask),
+              has_alibi=np.int32(aux.has_alibi))

@@ -65,8 +65,8 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, 
   attrs = {}
   if aux is not None:
     results += (rows, rows)
-    operands += (aux.mask, aux.bias, aux.tile_map, aux.row_range, aux.col_range)
-    attrs = dict(has_mask=np.int32(aux.has_mask), has_bias=np.int32(aux.has_bias))
+    operands += aux.arrays
+    attrs = {name: np.int32(flag) for name, flag in aux.flags.items()}
   call = jax.ffi.ffi_call(library.FORWARD_AUX_TARGET if aux is not None else TARGET_NAME, results,
                           vmap_method="sequential")
   o, lse, _, *stats = call(

@@ -79,8 +79,8 @@ _BWD_SM90 = dict(_BWD, dkdv=Signature(_BWD["dkdv"].tensors + (Tensor("mTileCount
 # The aux variants (masks and biases as tensors, kernels/common/aux_scores.py) append, after every other tensor:
 # the mask (Uint8), the bias in the input dtype and in float32 (each [Bx, Hx, Tx, S]), the mask's block map
 # [Bx, Hx, Mx, Nx] and its row ranges [Bx, Hx, Mx, 2] (forward, dQ) or column ranges [Bx, Hx, Nx, 2] (dK/dV), and
-# the forward's exact row statistics (row max, ln of the row sum; [N, total_q] float32); and the scalar aux_flags
-# after every other scalar.
+# the forward's exact row statistics (row max, ln of the row sum; [N, total_q] float32), the ALiBi slopes
+# [Bx, N, 1, 1] float32; and the scalar aux_flags after every other scalar.
 _A4 = "{a->%s, {a->%s[0], a->%s[1], a->%s[2], a->%s[3]}, {%s}}"
 
 
@@ -95,7 +95,8 @@ def _aux_tensors(ranges: str) -> tuple:
     return (_aux4("mMask", "mask", "mask_dims"), _aux4("mBias", "bias", "bias_dims"),
             _aux4("mBias32", "bias32", "bias32_dims"), _aux4("mTileMap", "tile_map", "map_dims"),
             _aux4("mRowRange" if ranges == "rows" else "mColRange", rng, f"{rng}_dims"),
-            Tensor("mRowMax", _R % "row_max", "rmax", 2, 1), Tensor("mLogSum", _R % "log_sum", "lsum", 2, 1))
+            Tensor("mRowMax", _R % "row_max", "rmax", 2, 1), Tensor("mLogSum", _R % "log_sum", "lsum", 2, 1),
+            _aux4("mSlopes", "slopes", "slopes_dims"))
 
 
 def _with_aux(sig: Signature, ranges: str) -> Signature:
@@ -182,7 +183,7 @@ def _fake_aux(dt) -> tuple:
                                         assumed_align=4)
 
     return (t4(cutlass.Uint8, 1), t4(dt, dt.width // 8), t4(cutlass.Float32, 4), t4(cutlass.Uint8, 1),
-            t4(cutlass.Int32, 4), rows(), rows())
+            t4(cutlass.Int32, 4), rows(), rows(), t4(cutlass.Float32, 4))
 
 
 def _export(compiled, out: str, name: str):

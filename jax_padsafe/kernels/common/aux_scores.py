@@ -13,6 +13,8 @@ bias, its key j column j.  Per call (the FFI handler's arguments, `_backends/cut
             VISIBLE (cells past the tensor's end do not count); Mx = ceil(Tx / MAP_ROWS), Nx = ceil(S / MAP_COLS);
   row_range Int32 (Bx, Hx, Mx, 2): per row block, [lo, hi) of the column blocks holding a visible cell
             ((Nx, 0) when none); col_range Int32 (Bx, Hx, Nx, 2): per column block, the row blocks ((Mx, 0)).
+  slopes    Float32 (Bx, N, 1, 1): ALiBi slopes (FLAG_ALIBI): the score of (i, j) gains -slope * |i + off - j|,
+            computed from the indices (no T x S tensor), off = k_len - q_len with FLAG_ALIBI_BOTTOM_RIGHT, else 0.
 A tensor that is absent is a (1, 1, 1, 1) placeholder with its flag clear.  Broadcasting: Bx in {1, B},
 Hx in {1, K, N} (per query head, per key/value head, or shared), Tx in {1, T}; the element of (b, head, i, j)
 is [min(b, Bx - 1), head // (N // Hx), min(i, Tx - 1), j].
@@ -36,6 +38,8 @@ LOG2_E = math.log2(math.e)
 FLAG_MASK = 1
 FLAG_BIAS = 2
 FLAG_BIAS32 = 4
+FLAG_ALIBI = 8
+FLAG_ALIBI_BOTTOM_RIGHT = 16  # the ALiBi distance uses the bottom-right offset k_len - q_len
 
 MAP_ROWS = 32  # divides every kernel's query tile
 MAP_COLS = 16  # divides every kernel's key tile (80 and 112 included)
@@ -55,12 +59,13 @@ class AuxView(NamedTuple):
     col_range: cute.Tensor  # (Nx, 2)
     flags: cutlass.Int32
     width: cutlass.Int32  # S of the live mask / bias tensors (the placeholders are 1 wide)
+    slope: cutlass.Float32  # the head's ALiBi slope (0 without FLAG_ALIBI)
 
 
 @cute.jit
 def view(mMask: cute.Tensor, mBias: cute.Tensor, mBias32: cute.Tensor, mTileMap: cute.Tensor,
-         mRowRange: cute.Tensor, mColRange: cute.Tensor, flags: cutlass.Int32, batch: cutlass.Int32,
-         head: cutlass.Int32, num_heads: cutlass.Int32) -> AuxView:
+         mRowRange: cute.Tensor, mColRange: cute.Tensor, mSlopes: cute.Tensor, flags: cutlass.Int32,
+         batch: cutlass.Int32, head: cutlass.Int32, num_heads: cutlass.Int32) -> AuxView:
     """The AuxView of query head `head` of sequence `batch`.  Each tensor broadcasts on its own (a placeholder
     is (1, 1, 1, 1)), so index each with its own sizes."""
 
@@ -74,7 +79,12 @@ def view(mMask: cute.Tensor, mBias: cute.Tensor, mBias32: cute.Tensor, mTileMap:
         width = cute.size(mBias.shape[3])
     if (flags & FLAG_MASK) != 0:
         width = cute.size(mMask.shape[3])
-    return AuxView(bh(mMask), bh(mBias), bh(mBias32), bh(mTileMap), bh(mRowRange), bh(mColRange), flags, width)
+    # Read unconditionally (a placeholder is a real (1, 1, 1, 1) buffer), kept only with FLAG_ALIBI.
+    slope = bh(mSlopes)[0, 0]
+    if (flags & FLAG_ALIBI) == 0:
+        slope = cutlass.Float32(0.0)
+    return AuxView(bh(mMask), bh(mBias), bh(mBias32), bh(mTileMap), bh(mRowRange), bh(mColRange), flags, width,
+                   slope)
 
 
 @cute.jit
@@ -221,6 +231,24 @@ def _add_bias(s_mn: cute.Tensor, c_mn: cute.Tensor, bias: cute.Tensor, q0, k0, q
 
 
 @cute.jit
+def _add_alibi(s_mn: cute.Tensor, c_mn: cute.Tensor, slope: cutlass.Float32, off: cutlass.Int32, q0, k0, q_len, k_len,
+               query_mode: cutlass.Constexpr):
+    """s -= slope * |i + off - j| inside the valid rectangle (ALiBi), from the indices: nothing is loaded.  The
+    distance is an exact integer (converted exactly below 2**24 keys), so each score takes one rounding in the
+    product and one in the sum, whatever the sequence length."""
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            i, j = _pair(c_mn, r, c, q0, k0, query_mode)
+            d = i + off - j
+            if d < 0:
+                d = -d
+            s = s_mn[r, c]
+            if i < q_len and j < k_len:
+                s = s - slope * cutlass.Float32(d)
+            s_mn[r, c] = s
+
+
+@cute.jit
 def _apply_mask(s_mn: cute.Tensor, c_mn: cute.Tensor, mask: cute.Tensor, q0, k0, q_last, k_last, q_len, k_len,
                 query_mode: cutlass.Constexpr):
     """s = -inf where the mask hides a pair of the valid rectangle (loads as in _add_bias, pairs included)."""
@@ -258,7 +286,8 @@ def _apply_mask(s_mn: cute.Tensor, c_mn: cute.Tensor, mask: cute.Tensor, q0, k0,
 def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32,
            q_len: cutlass.Int32, k_len: cutlass.Int32, scale: cutlass.Float32, cls: cutlass.Int32,
            query_mode: cutlass.Constexpr):
-    """In place: raw scores q.k -> natural-unit scores q.k * scale + bias, -inf where the mask hides the pair.
+    """In place: raw scores q.k -> natural-unit scores q.k * scale + bias (+ the ALiBi term), -inf where the mask
+    hides the pair.
 
     `c_mn` holds the tile-local coordinates matching `s_mn`; `query_mode` 0: queries are rows (query q0 + row,
     key k0 + col), 1: queries are columns.  Only cells inside the valid rectangle are read; pairs outside it
@@ -278,6 +307,12 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
                 _add_bias(s_mn, c_mn, v.bias32, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
             if (v.flags & FLAG_BIAS) != 0:
                 _add_bias(s_mn, c_mn, v.bias, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
+        if (v.flags & FLAG_ALIBI) != 0:
+            off = cutlass.Int32(0)
+            if (v.flags & FLAG_ALIBI_BOTTOM_RIGHT) != 0:
+                off = k_len - q_len
+            _add_alibi(s_mn, c_mn, v.slope, off, q0, k0, q_len, k_len, query_mode)
+        if q_len > 0 and k_lim > 0:
             if cls == MIXED:
                 _apply_mask(s_mn, c_mn, v.mask, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
 

@@ -65,10 +65,10 @@ class BwdBase:
 @cute.jit
 def aux_view(aux_in, batch: cutlass.Int32, head: cutlass.Int32, num_heads: cutlass.Int32) -> aux_scores.AuxView:
     """The AuxView of query head `head` of sequence `batch`.  `aux_in` = (mMask, mBias, mBias32, mTileMap,
-    mRanges, mRowMax, mLogSum, aux_flags), mRanges being the row ranges (dQ) or the column ranges (dK/dV): each
+    mRanges, mRowMax, mLogSum, aux_flags, mSlopes), mRanges being the row ranges (dQ) or the column ranges (dK/dV): each
     kernel reads only its own kind, so the one tensor fills both slots of the view."""
-    return aux_scores.view(aux_in[0], aux_in[1], aux_in[2], aux_in[3], aux_in[4], aux_in[4], aux_in[7], batch,
-                           head, num_heads)
+    return aux_scores.view(aux_in[0], aux_in[1], aux_in[2], aux_in[3], aux_in[4], aux_in[4], aux_in[8], aux_in[7],
+                           batch, head, num_heads)
 
 
 @cute.jit

@@ -57,6 +57,7 @@ class _Pairs(NamedTuple):
     bias32: cute.Tensor
     tile_map: cute.Tensor
     row_range: cute.Tensor
+    slopes: cute.Tensor
     flags: cutlass.Int32
     window_left: cutlass.Int32
     window_right: cutlass.Int32
@@ -102,6 +103,7 @@ class BwdDBias:
         mRowRange: cute.Tensor,
         mRowMax: cute.Tensor,
         mLogSum: cute.Tensor,
+        mSlopes: cute.Tensor,
         mdBias: cute.Tensor,
         mdBias32: cute.Tensor,
         score_mul: cutlass.Float32,
@@ -126,7 +128,7 @@ class BwdDBias:
         grid = (cute.ceil_div(max_seqlen_q, self.block_m), cute.ceil_div(max_seqlen_k, self.block_n), slices)
         self.kernel(
             mQ, mK, mV, mdO, mDelta, mCuQ, mCuK, mUsedQ, mUsedK,
-            mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, mdBias, mdBias32,
+            mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, mSlopes, mdBias, mdBias32,
             score_mul, window_left, window_right, bottom_right, aux_flags,
             sQ_layout, sK_layout, copy_in, tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
@@ -150,6 +152,7 @@ class BwdDBias:
         mRowRange: cute.Tensor,
         mRowMax: cute.Tensor,
         mLogSum: cute.Tensor,
+        mSlopes: cute.Tensor,
         mdBias: cute.Tensor,
         mdBias32: cute.Tensor,
         score_mul: cutlass.Float32,
@@ -187,7 +190,7 @@ class BwdDBias:
             n_pairs = num_seqs * group
         if b_first >= num_seqs:
             n_pairs = cutlass.Int32(0)  # not a sequence of this call: nothing is read, the tile gets zeros
-        args = _Pairs(mCuQ, mCuK, mUsedQ, mUsedK, mMask, mBias, mBias32, mTileMap, mRowRange, aux_flags,
+        args = _Pairs(mCuQ, mCuK, mUsedQ, mUsedK, mMask, mBias, mBias32, mTileMap, mRowRange, mSlopes, aux_flags,
                       window_left, window_right, bottom_right, m_block, n_block, b_first, hx * group, group,
                       num_heads)
 
@@ -285,7 +288,7 @@ class BwdDBias:
     def pair_view(self, b: cutlass.Int32, h: cutlass.Int32, args: _Pairs) -> aux_scores.AuxView:
         # The col-range slot of the view is unused here (no query-tile narrowing).
         return aux_scores.view(args.mask, args.bias, args.bias32, args.tile_map, args.row_range, args.row_range,
-                               args.flags, b, h, args.num_heads)
+                               args.slopes, args.flags, b, h, args.num_heads)
 
     @cute.jit
     def next_active(self, p: cutlass.Int32, n_pairs: cutlass.Int32, args: _Pairs) -> cutlass.Int32:

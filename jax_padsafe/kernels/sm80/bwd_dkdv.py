@@ -389,6 +389,7 @@ class BwdDKDVAux(BwdDKDV):
         mColRange: cute.Tensor,
         mRowMax: cute.Tensor,
         mLogSum: cute.Tensor,
+        mSlopes: cute.Tensor,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         dscale: cutlass.Float32,
@@ -412,7 +413,7 @@ class BwdDKDVAux(BwdDKDV):
         grid = (cute.ceil_div(max_seqlen_k, self.block_n), cute.size(mK.shape[1]), cute.size(mUsedK.shape[0]))
         self.kernel_aux(
             mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK,
-            mMask, mBias, mBias32, mTileMap, mColRange, mRowMax, mLogSum,
+            mMask, mBias, mBias32, mTileMap, mColRange, mRowMax, mLogSum, mSlopes,
             score_mul, cap_mul, dscale, window_left, window_right, bottom_right, aux_flags,
             sQ_layout, sK_layout, copy_in, copy_out, tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
@@ -439,6 +440,7 @@ class BwdDKDVAux(BwdDKDV):
         mColRange: cute.Tensor,
         mRowMax: cute.Tensor,
         mLogSum: cute.Tensor,
+        mSlopes: cute.Tensor,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         dscale: cutlass.Float32,
@@ -455,7 +457,8 @@ class BwdDKDVAux(BwdDKDV):
     ):
         self.body(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul, dscale,
                   window_left, window_right, bottom_right, sQ_layout, sK_layout, copy_in, copy_out, tiled_mma,
-                  SharedStorage, (mMask, mBias, mBias32, mTileMap, mColRange, mRowMax, mLogSum, aux_flags))
+                  SharedStorage, (mMask, mBias, mBias32, mTileMap, mColRange, mRowMax, mLogSum, aux_flags,
+                                  mSlopes))
 
 
 BwdDKDV.aux_class = BwdDKDVAux

@@ -303,6 +303,7 @@ class BwdDQAux(BwdDQ):
         mRowRange: cute.Tensor,
         mRowMax: cute.Tensor,
         mLogSum: cute.Tensor,
+        mSlopes: cute.Tensor,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         dscale: cutlass.Float32,
@@ -326,7 +327,7 @@ class BwdDQAux(BwdDQ):
         grid = (cute.ceil_div(max_seqlen_q, self.block_m), cute.size(mQ.shape[1]), cute.size(mUsedQ.shape[0]))
         self.kernel_aux(
             mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK,
-            mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum,
+            mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, mSlopes,
             score_mul, cap_mul, dscale, window_left, window_right, bottom_right, aux_flags,
             sQ_layout, sK_layout, copy_in, copy_out, tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
@@ -352,6 +353,7 @@ class BwdDQAux(BwdDQ):
         mRowRange: cute.Tensor,
         mRowMax: cute.Tensor,
         mLogSum: cute.Tensor,
+        mSlopes: cute.Tensor,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         dscale: cutlass.Float32,
@@ -368,7 +370,8 @@ class BwdDQAux(BwdDQ):
     ):
         self.body(mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul, dscale,
                   window_left, window_right, bottom_right, sQ_layout, sK_layout, copy_in, copy_out, tiled_mma,
-                  SharedStorage, (mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, aux_flags))
+                  SharedStorage, (mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, aux_flags,
+                                  mSlopes))
 
 
 BwdDQ.aux_class = BwdDQAux

@@ -449,6 +449,7 @@ class FlashFwdSm80Aux(FlashFwdSm80):
         mRowRange: cute.Tensor,
         mRowMax: cute.Tensor,
         mLogSum: cute.Tensor,
+        mSlopes: cute.Tensor,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         window_left: cutlass.Int32,
@@ -484,7 +485,7 @@ class FlashFwdSm80Aux(FlashFwdSm80):
         )
         self.kernel_aux(
             mQ, mK, mV, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK,
-            mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum,
+            mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, mSlopes,
             score_mul, cap_mul, window_left, window_right, bottom_right, aux_flags,
             sQ_layout, sKV_layout, copy_in, copy_out, tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
@@ -508,6 +509,7 @@ class FlashFwdSm80Aux(FlashFwdSm80):
         mRowRange: cute.Tensor,
         mRowMax: cute.Tensor,
         mLogSum: cute.Tensor,
+        mSlopes: cute.Tensor,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         window_left: cutlass.Int32,
@@ -525,8 +527,8 @@ class FlashFwdSm80Aux(FlashFwdSm80):
         m_block = cute.arch.grid_dim()[0] - 1 - m_block_rev
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         if m_block * self.block_m < q_len:
-            view = aux_scores.view(mMask, mBias, mBias32, mTileMap, mRowRange, mRowRange, aux_flags, batch, head,
-                                   mQ.shape[1])
+            view = aux_scores.view(mMask, mBias, mBias32, mTileMap, mRowRange, mRowRange, mSlopes, aux_flags, batch,
+                                   head, mQ.shape[1])
             self.tile(
                 mQ, mK, mV, mO, mLSE, mCuK, mUsedK, score_mul, cap_mul,
                 window_left, window_right, bottom_right, sQ_layout, sKV_layout,

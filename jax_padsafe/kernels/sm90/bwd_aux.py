@@ -34,17 +34,18 @@ class BwdAux(NamedTuple):
     ranges: cute.Tensor
     row_max: cute.Tensor
     log_sum: cute.Tensor
+    slopes: cute.Tensor
     flags: cutlass.Int32
 
 
-def make(kind, mMask, mBias, mBias32, mTileMap, mRanges, mRowMax, mLogSum, mLSE, flags) -> BwdAux:
+def make(kind, mMask, mBias, mBias32, mTileMap, mRanges, mRowMax, mLogSum, mSlopes, mLSE, flags) -> BwdAux:
     """The BwdAux of an aux __call__.  The mask kind takes mRowMax / mLogSum (the ABI is the same for both kinds)
     but reads neither: mLSE takes their slots, so its kernels have no argument they do not use, and `view`'s
     head count (row_max's rows) is lse's, whatever the caller passes for the unused tensors."""
     if kind == "mask":
         mRowMax = mLSE
         mLogSum = mLSE
-    return BwdAux(mMask, mBias, mBias32, mTileMap, mRanges, mRowMax, mLogSum, flags)
+    return BwdAux(mMask, mBias, mBias32, mTileMap, mRanges, mRowMax, mLogSum, mSlopes, flags)
 
 
 @cute.jit
@@ -52,8 +53,8 @@ def view(aux: BwdAux, batch: cutlass.Int32, head: cutlass.Int32):
     """The AuxView of (sequence `batch`, query head `head`).  The kernel has one of the two range tensors; it
     fills both slots (query_tiles reads only col_range, key_tiles only row_range, and each kernel calls one).
     The query heads are row_max's rows (N, like lse)."""
-    return aux_scores.view(aux.mask, aux.bias, aux.bias32, aux.tile_map, aux.ranges, aux.ranges, aux.flags,
-                           batch, head, cute.size(aux.row_max.shape[0]))
+    return aux_scores.view(aux.mask, aux.bias, aux.bias32, aux.tile_map, aux.ranges, aux.ranges, aux.slopes,
+                           aux.flags, batch, head, cute.size(aux.row_max.shape[0]))
 
 
 # ---------------------------------------------------------------- the dK/dV kernel: query tiles per query head

@@ -547,6 +547,7 @@ class BwdDKDVSm90Aux(BwdDKDVSm90):
         mColRange: cute.Tensor,
         mRowMax: cute.Tensor,
         mLogSum: cute.Tensor,
+        mSlopes: cute.Tensor,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         dscale: cutlass.Float32,
@@ -557,6 +558,7 @@ class BwdDKDVSm90Aux(BwdDKDVSm90):
         aux_flags: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        aux = bwd_aux.make(self.aux, mMask, mBias, mBias32, mTileMap, mColRange, mRowMax, mLogSum, mLSE, aux_flags)
+        aux = bwd_aux.make(self.aux, mMask, mBias, mBias32, mTileMap, mColRange, mRowMax, mLogSum, mSlopes, mLSE,
+                           aux_flags)
         self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdK, mdV, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul,
                      cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_k, stream, aux)

@@ -558,6 +558,7 @@ class BwdDQSm90Aux(BwdDQSm90):
         mRowRange: cute.Tensor,
         mRowMax: cute.Tensor,
         mLogSum: cute.Tensor,
+        mSlopes: cute.Tensor,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         dscale: cutlass.Float32,
@@ -568,6 +569,7 @@ class BwdDQSm90Aux(BwdDQSm90):
         aux_flags: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        aux = bwd_aux.make(self.aux, mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, mLSE, aux_flags)
+        aux = bwd_aux.make(self.aux, mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, mSlopes, mLSE,
+                           aux_flags)
         self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul,
                      dscale, window_left, window_right, bottom_right, max_seqlen_q, stream, aux)

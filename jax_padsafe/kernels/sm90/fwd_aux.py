@@ -27,7 +27,7 @@ from ..common import aux_scores
 class FwdAux(NamedTuple):
     """The aux inputs and extra outputs of one call, handed to the kernel as one argument.  Layouts are the
     aux ABI's: mask / bias / bias32 / tile_map / row_range 4-D (broadcast batch, broadcast head, rows, cols);
-    row_max and log_sum [N, total_q] float32 like lse."""
+    row_max and log_sum [N, total_q] float32 like lse; slopes (ALiBi) [Bx, N, 1, 1] float32."""
     mask: cute.Tensor
     bias: cute.Tensor
     bias32: cute.Tensor
@@ -35,6 +35,7 @@ class FwdAux(NamedTuple):
     row_range: cute.Tensor
     row_max: cute.Tensor
     log_sum: cute.Tensor
+    slopes: cute.Tensor
     flags: cutlass.Int32
 
 
@@ -62,6 +63,7 @@ class FwdAuxEntry:
         mRowRange: cute.Tensor,
         mRowMax: cute.Tensor,
         mLogSum: cute.Tensor,
+        mSlopes: cute.Tensor,
         score_mul: cutlass.Float32,
         cap_mul: cutlass.Float32,
         window_left: cutlass.Int32,
@@ -73,7 +75,7 @@ class FwdAuxEntry:
     ):
         """The aux variants' entry (the aux ABI's order).  score_mul: the softmax scale ("bias", natural units)
         or the plain kernel's scale * log2 e ("mask", raw scores); cap_mul is unused (no softcap)."""
-        aux_in = FwdAux(mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, aux_flags)
+        aux_in = FwdAux(mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, mSlopes, aux_flags)
         self.launch(mQ, mK, mV, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul, window_left,
                     window_right, bottom_right, max_seqlen_q, stream, aux_in)
 
@@ -83,7 +85,7 @@ def tile_view(aux: FwdAux, batch: cutlass.Int32, head: cutlass.Int32, num_heads:
     """The AuxView of (sequence `batch`, query head `head`).  The forward reads no column ranges (that is the
     dK/dV kernels' narrowing), so the row ranges stand in for them."""
     return aux_scores.view(aux.mask, aux.bias, aux.bias32, aux.tile_map, aux.row_range, aux.row_range,
-                           aux.flags, batch, head, num_heads)
+                           aux.slopes, aux.flags, batch, head, num_heads)
 
 
 @cute.jit
