@@ -44,6 +44,7 @@ def dot_product_attention(
     deterministic: bool = False,
     block_k: int = 512,
     max_segments: int | None = None,
+    sinks=None,
 ):
   r"""Pad-safe scaled dot-product attention; a drop-in for ``jax.nn.dot_product_attention``.
 
@@ -81,11 +82,16 @@ def dot_product_attention(
     max_segments: static bound on the segment-id runs per batch row that the kernels are sized for
       (their grid grows with it). Default: counted from concrete ids, else 32 for traced ids. Rows
       with more runs take the pure-JAX path at run time.
+    sinks: optional float ``[N]``, one sink logit per query head (with GQA each query head has its
+      own): every valid row's softmax denominator gains ``exp(sinks[h])``, a key with a zero value
+      that every valid row sees, so ``lse`` includes it and a row may attend to "nothing". Finite
+      values or ``-inf`` (no sink for that head); differentiable. Runs on the pure-JAX path.
 
   Returns:
     ``out`` with ``query``'s shape and dtype, or ``(out, lse)`` with ``return_lse=True``. Padded
     query rows give ``out = 0`` and ``lse = 0``; valid rows with no visible key give ``out = 0``
-    and ``lse = -inf``. Every result is bitwise independent of what padded memory holds.
+    and ``lse = -inf`` (``lse = sinks[h]`` with sinks). Every result is bitwise independent of what
+    padded memory holds.
   """
   checks.check_implementation(implementation)
   checks.check_alignment(causal_alignment)
@@ -108,17 +114,18 @@ def dot_product_attention(
   mask = None if mask is None else checks.broadcastable_4d(
       "mask", mask[None] if unbatched and jnp.ndim(mask) == 3 else mask, (b, n, t, s), bool_dtype=True)
   checks.check_segment_pair(query_segment_ids, key_value_segment_ids)
+  sinks = checks.sinks(sinks, n)
 
   spec = checks.make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
                           bottom_right=causal_alignment == "bottom_right",
-                          deterministic=bool(deterministic))
+                          deterministic=bool(deterministic), sinks=sinks is not None)
   problem = canonical.from_padded(
       spec, b, t, s, causal_alignment, query_seq_lengths, key_value_seq_lengths,
       query_segment_ids, key_value_segment_ids, kernel_view=implementation != "xla",
       max_segments=max_segments)
   backend = _backends.choose_backend(implementation, spec, problem, query, key, bias=bias,
                                      mask=mask)
-  out, lse = _run(spec, backend, query, key, value, bias, mask, problem)
+  out, lse = _run(spec, backend, query, key, value, bias, mask, sinks, problem)
   if unbatched:
     out, lse = out[0], lse[0]
   return (out, lse) if return_lse else out
@@ -144,6 +151,7 @@ def varlen_attention(
     implementation: str | None = None,
     deterministic: bool = False,
     block_k: int = 512,
+    sinks=None,
 ):
   r"""Pad-safe attention over a packed (variable-length) batch.
 
@@ -170,6 +178,7 @@ def varlen_attention(
   checks.check_float_inputs(query, key, value, rank=3, layout="packed [total, N, H]")
   total_q, n, h = query.shape
   total_k = key.shape[0]
+  sinks = checks.sinks(sinks, n)
 
   cu_q = checks.int_vector("cu_seqlens_q", cu_seqlens_q, None, what="int32 offsets, length B+1")
   if cu_q.shape[0] < 1:
@@ -196,13 +205,13 @@ def varlen_attention(
 
   spec = checks.make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
                           bottom_right=causal_alignment == "bottom_right",
-                          deterministic=bool(deterministic))
+                          deterministic=bool(deterministic), sinks=sinks is not None)
   problem = canonical.from_packed(cu_q, cu_k, used_q, used_k, total_q, total_k,
                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                   alignment=causal_alignment)
   backend = _backends.choose_backend(implementation, spec, problem, query, key, bias=None,
                                      mask=None)
-  out, lse = _run(spec, backend, query[None], key[None], value[None], None, None, problem)
+  out, lse = _run(spec, backend, query[None], key[None], value[None], None, None, sinks, problem)
   out, lse = out[0], lse[0]
   return (out, lse) if return_lse else out
 
@@ -210,7 +219,7 @@ def varlen_attention(
 # --------------------------------------------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _run(spec, backend, q, k, v, bias, mask, problem):
+def _run(spec, backend, q, k, v, bias, mask, sinks, problem):
   # Jitted so that eager calls compile once per configuration (under an outer jit it is inlined).
   # The pure-JAX path sanitises before any arithmetic: padded rows become exact zeros by select, and
   # gradients flow back through the select, which routes exact zeros to the padded rows. The
@@ -218,7 +227,7 @@ def _run(spec, backend, q, k, v, bias, mask, problem):
   # gradients): they never compute from padded rows and zero the padded outputs themselves.
   if not backend.reads_padding_safely:
     q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
-  return vjp.attention(spec, backend, q, k, v, bias, mask, problem)
+  return vjp.attention(spec, backend, q, k, v, bias, mask, sinks, problem)
 
 
 # The layers (flax_linen, flax_nnx, equinox) take the frameworks' [batch..., length, heads, head_dim]

@@ -13,9 +13,9 @@ are sharded over batch and/or (whole groups of) heads (see ``docs/sharding.md``)
   (device ``d`` of ``P`` holds chunk ``d`` and chunk ``2P-1-d`` of ``2P`` equal chunks).
 
 The whole pad-safety contract holds on the ring: lengths, segment ids, causal in both alignments,
-window, softcap, padded rows exactly 0 (lse 0), valid rows that see no key give out 0 / lse -inf,
-and results are bitwise independent of what the padding holds. The merge never evaluates
-``-inf - -inf`` and masks with selects.
+window, softcap, sinks, padded rows exactly 0 (lse 0), valid rows that see no key give out 0 / lse
+-inf (the sink with sinks), and results are bitwise independent of what the padding holds. The merge
+never evaluates ``-inf - -inf`` and masks with selects.
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def ring_attention(
     skip_masked_blocks: bool = True,
     implementation: str | None = None,
     max_segments: int | None = None,
+    sinks=None,
 ):
   r"""Pad-safe attention with the sequence sharded over mesh axis ``axis_name`` (ring attention).
 
@@ -190,6 +191,10 @@ def ring_attention(
       ``None`` but raises ``NotImplementedError`` when the kernels cannot serve the call at all.
     max_segments: as in :func:`jax_padsafe.dot_product_attention` (runs per batch row per chunk
       that the kernels are sized for).
+    sinks: as in :func:`jax_padsafe.dot_product_attention` (float ``[N]``, differentiable). The
+      sinks join each row's result after the ring, as one more partial result merged through its
+      lse (value 0), so the chunk pairs compute what they compute without them. Their gradient is
+      one sum over every row: with sinks the backward has one all-reduce of ``N`` floats.
     Other arguments as in :func:`jax_padsafe.dot_product_attention`.
 
   Returns:
@@ -226,6 +231,8 @@ def ring_attention(
   _check_distinct(axis_name, batch_axis, head_axis)
 
   checks.check_segment_pair(query_segment_ids, key_value_segment_ids)
+  sinks = checks.sinks(sinks, n)
+  # No sinks flag: the chunk pairs never see the sinks (they are merged in after the ring).
   spec = checks.make_spec(h, scale, is_causal, local_window_size, softcap, block_k)
   # Natural position held by every layout slot; segments and positions follow the layout.
   rows_q = rows_k = None
@@ -263,7 +270,9 @@ def ring_attention(
   sp = cfg.specs()
   q, k, v = (_constrain(x, mesh, sp["x"]) for x in (q, k, v))
   q_seg, k_seg, q_pos, k_pos = (_constrain(x, mesh, sp["row"]) for x in problem.rows())
-  out, lse = _ring(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
+  if sinks is not None:
+    sinks = _constrain(sinks, mesh, sp["head"])
+  out, lse = _ring(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks)
   return (out, lse) if return_lse else out
 
 
@@ -328,23 +337,25 @@ class _RingConfig:
 
   def specs(self):
     seq, bat, hd = self.axis_name, self.batch_axis, self.head_axis
-    return dict(x=PartitionSpec(bat, seq, hd, None), row=PartitionSpec(bat, seq), lse=PartitionSpec(bat, hd, seq))
+    return dict(x=PartitionSpec(bat, seq, hd, None), row=PartitionSpec(bat, seq), lse=PartitionSpec(bat, hd, seq),
+                head=PartitionSpec(hd))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
-  return _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
+def _ring(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks):
+  return _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks)[:2]
 
 
 # The shard_map'd halves are jitted once per ring configuration: called eagerly, a shard_map runs
 # op by op on every device (minutes on CPU for a small causal zigzag ring); under an outer jit the
 # inner jit is inlined, so traced programs are unchanged.
 @functools.lru_cache(maxsize=64)
-def _ring_forward_fn(cfg):
+def _ring_forward_fn(cfg, with_sinks):
   sp = cfg.specs()
   return jax.jit(shard_map(functools.partial(_forward_local, cfg), mesh=cfg.mesh,
-                           in_specs=(sp["x"], sp["x"], sp["x"], sp["row"], sp["row"], sp["row"], sp["row"]),
-                           out_specs=(sp["x"], sp["lse"])))
+                           in_specs=(sp["x"], sp["x"], sp["x"], sp["row"], sp["row"], sp["row"], sp["row"],
+                                     sp["head"] if with_sinks else None),
+                           out_specs=(sp["x"], sp["lse"]) + ((sp["x"],) if with_sinks else ())))
 
 
 @functools.lru_cache(maxsize=64)
@@ -356,20 +367,37 @@ def _ring_backward_fn(cfg):
                            out_specs=(sp["x"], sp["x"], sp["x"])))
 
 
-def _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
-  return _ring_forward_fn(cfg)(q, k, v, q_seg, k_seg, q_pos, k_pos)
+def _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks):
+  """``(o, lse, o32)``: ``o32``, the float32 output, only with sinks (else None), for their gradient."""
+  out = _ring_forward_fn(cfg, sinks is not None)(q, k, v, q_seg, k_seg, q_pos, k_pos, sinks)
+  return out if sinks is not None else out + (None,)
 
 
-def _ring_fwd(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
-  o, lse = _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
-  return (o, lse), (q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse)
+def _ring_fwd(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks):
+  o, lse, o32 = _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks)
+  return (o, lse), (q, k, v, q_seg, k_seg, q_pos, k_pos, sinks, o, lse, o32)
 
 
 def _ring_bwd(cfg, res, cotangents):
-  q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse = res
+  q, k, v, q_seg, k_seg, q_pos, k_pos, sinks, o, lse, o32 = res
   do, dlse = cotangents
+  # The chunk pairs' gradients need no change for sinks: the final lse includes them, so each pair's
+  # P is its share of the full softmax.
   dq, dk, dv = _ring_backward_fn(cfg)(q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse)
-  return dq, dk, dv, None, None, None, None
+  dsinks = None if sinks is None else _sink_gradient(sinks, q_seg, o32, lse, do, dlse)
+  return dq, dk, dv, None, None, None, None, dsinks
+
+
+def _sink_gradient(sinks, q_seg, o, lse, do, dlse):
+  """``dsinks [N]``: the sink of row i has probability ``exp(sink - lse_i)`` and value 0, so its gradient
+  is ``-P_sink * (rowsum(dO * O) - dlse)``, summed over the valid rows (padded rows selected away,
+  whatever their cotangents hold) of every shard.  ``o``: the float32 output (the one rounded to the
+  input dtype would put that rounding into every row's term)."""
+  rows = visibility.row_is_valid(q_seg)[:, None, :] & (lse != -jnp.inf)            # [B, N, T]
+  delta = jnp.einsum("btnh,btnh->bnt", do.astype(_F32), o.astype(_F32), precision=lax.Precision.HIGHEST)
+  delta = delta - dlse.astype(_F32)
+  p_sink = jnp.exp(sinks[None, :, None] - jnp.where(rows, lse, _F32(0)))
+  return jnp.sum(jnp.where(rows, -p_sink * delta, _F32(0)), axis=(0, 2)).astype(sinks.dtype)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -423,9 +451,17 @@ def _merge(o_acc, lse_acc, o_blk, lse_blk):
   return o, lse
 
 
-def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
+def _merge_sinks(o_acc, lse_acc, sinks):
+  """The ring's result with the sinks merged in: one more partial result, value 0 and lse the sink."""
+  if sinks is None:
+    return o_acc, lse_acc
+  sink = jnp.broadcast_to(sinks.astype(_F32)[None, :, None], lse_acc.shape)
+  return _merge(o_acc, lse_acc, jnp.zeros_like(o_acc), sink)
+
+
+def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks):
   if cfg.grouped and cfg.kernel_fwd:
-    return _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
+    return _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks)
   spec, nsub = cfg.spec, cfg.nsub
   dtype = q.dtype
   qs = list(zip(_split(q, nsub, 1), _split(q_seg, nsub, 1), _split(q_pos, nsub, 1)))
@@ -459,8 +495,10 @@ def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
 
   o = jnp.concatenate(o_acc, axis=1) if nsub > 1 else o_acc[0]
   lse = jnp.concatenate(lse_acc, axis=2) if nsub > 1 else lse_acc[0]
+  o, lse = _merge_sinks(o, lse, sinks)
+  o = visibility.zero_invalid_rows(o, q_seg)  # padded rows: out exactly 0 (with sinks too)
   lse = jnp.where(visibility.row_is_valid(q_seg)[:, None, :], lse, _F32(0))  # padded rows: lse exactly 0
-  return o.astype(dtype), lse
+  return (o.astype(dtype), lse) + ((o,) if sinks is not None else ())
 
 
 def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
@@ -758,7 +796,7 @@ def _valid_prefix(seg):
   return visibility.row_is_valid(seg).sum(axis=1).astype(jnp.int32)
 
 
-def _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
+def _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks):
   device = lax.axis_index(cfg.axis_name)
   q_valid = _valid_prefix(q_seg)
   held = (k, v, k_seg, k_pos)  # separate leaves: no stacking copy before the transfer
@@ -775,9 +813,10 @@ def _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
       else:
         o_acc, lse_acc = _merge(o_acc, lse_acc, o_b, lse_b)
     held = held_next
+  o_acc, lse_acc = _merge_sinks(o_acc, lse_acc, sinks)
   lse = jnp.where(visibility.row_is_valid(q_seg)[:, None, :], lse_acc, _F32(0))  # padded rows: lse exactly 0
   o = visibility.zero_invalid_rows(o_acc, q_seg)
-  return o.astype(q.dtype), lse
+  return (o.astype(q.dtype), lse) + ((o,) if sinks is not None else ())
 
 
 def _grouped_backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):

@@ -156,6 +156,30 @@ def test_unsupported_falls_back_or_raises(kernels_built, case):
              q, k, v)
 
 
+FEATURES = {"sinks": "sinks"}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_features_without_kernels_fall_back_or_raise(kernels_built, feature, layout):
+  """Calls the kernels do not take yet (sinks) run on the pure-JAX path by default, gradient included;
+  implementation="cute" raises NotImplementedError naming the feature."""
+  q, k, v = _qkv()
+  kw = dict(sinks=jnp.zeros((8,), jnp.float32))
+
+  def call(impl):
+    if layout == "padded":
+      return lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, implementation=impl, **kw)
+    cu = jnp.array([0, 10, 16], jnp.int32)
+    cuk = jnp.array([0, 20, 24], jnp.int32)
+    return lambda q, k, v: jax_padsafe.varlen_attention(q[0], k[0], v[0], cu, cuk, implementation=impl, **kw)
+
+  loss = lambda q, k, v: jnp.sum(call(None)(q, k, v).astype(jnp.float32))  # noqa: E731
+  assert not _targets(_lowered(jax.grad(loss, (0, 1, 2)), q, k, v))
+  with pytest.raises(NotImplementedError, match=FEATURES[feature]):
+    _lowered(call("cute"), q, k, v)
+
+
 @pytest.mark.parametrize("case", ["causal_padding_mask", "bias_f32", "bias_bf16_per_head", "mask_and_bias"])
 def test_mask_and_bias_lower_to_the_aux_kernels(kernels_built, case):
   """Masks and biases of the padded layout go to the aux targets, forward and backward; dbias comes from
@@ -319,6 +343,13 @@ def test_ring_chunk_pairs_lower_to_kernels(kernels_built, causal):
   with pytest.raises(NotImplementedError, match="window"):
     _lowered(lambda q, k, v: sharding.ring_attention(
         q, k, v, mesh=mesh, axis_name="seq", local_window_size=4, implementation="cute"), x, x, x)
+  # Sinks join after the ring: the chunk pairs still run on the kernels.
+  sinks = jnp.zeros((4,), jnp.float32)
+  text = _lowered(jax.grad(lambda q, k, v, sinks: jnp.sum(sharding.ring_attention(
+      q, k, v, mesh=mesh, axis_name="seq", is_causal=causal, query_seq_lengths=lens,
+      key_value_seq_lengths=lens, layout="zigzag" if causal else "contiguous", sinks=sinks,
+      implementation="cute").astype(jnp.float32)), (0, 1, 2, 3)), x, x, x, sinks)
+  assert text.count(f"@{TARGET}") == calls and text.count("@jax_padsafe_bwd") == calls
 
 
 def test_max_segments_bounds_the_kernel_runs(kernels_built):

@@ -6,8 +6,9 @@
 * The custom_partitioning mechanism for opaque (FFI) forwards, on a pure-JAX stand-in.
 * Ring attention (``jax_padsafe.sharding``): outputs, lse and gradients against the float64 oracle
   and the single-device path, the contract's exact zeros, bitwise poison invariance, and only
-  collective-permutes in the HLO; contiguous and zigzag layouts, MHA and GQA, causal in both
-  alignments, window, softcap, lengths and segment ids.
+  collective-permutes in the HLO (and with sinks one all-reduce, of their gradient); contiguous and
+  zigzag layouts, MHA and GQA, causal in both alignments, window, softcap, sinks, lengths and segment
+  ids.
 
 Sharded results are compared with single-device results within float rounding (XLA fuses the
 per-shard programs differently, so they are not bitwise equal); poison invariance *is* bitwise.
@@ -472,6 +473,16 @@ RING_CASES = {
     "mha_causal_contiguous_data_x_seq_grouped_bf16": (
         dict(b=2, t=16, s=16, n=2, k=2, h=64, q_len=[16, 5], kv_len=[11, 16], causal=True),
         jnp.bfloat16, (2, 2), ("data", "seq"), "seq", "data", None, "contiguous"),
+    # Sinks: merged after the ring; rows without keys (kv_len 0, bottom-right rows before the first
+    # key) get lse = the sink; one head without a sink (-inf); heads sharded too.
+    "sinks_gqa_causal_bottom_right_zigzag": (
+        dict(b=2, t=16, s=32, n=4, k=2, h=16, q_len=[16, 11], kv_len=[30, 0], causal=True,
+             bottom_right=True, sinks=np.array([0.7, -np.inf, 2.5, -1.0])),
+        jnp.float32, (4,), ("seq",), "seq", None, None, "zigzag"),
+    "sinks_heads_x_seq_grouped_bf16": (
+        dict(b=2, t=16, s=16, n=4, k=2, h=64, q_len=[16, 7], kv_len=[13, 3], causal=True,
+             sinks=np.array([1.5, 0.0, -2.0, 4.0])),
+        jnp.bfloat16, (2, 2), ("model", "seq"), "seq", None, "model", "zigzag"),
 }
 
 
@@ -503,34 +514,42 @@ def test_ring_attention(name):
   if "query_segment_ids" in kw:  # segment ids follow the layout; lengths stay natural
     kw["query_segment_ids"] = kw["query_segment_ids"][:, idx_q]
     kw["key_value_segment_ids"] = kw["key_value_segment_ids"][:, idx_k]
+  has_sinks = kw.pop("sinks", None) is not None  # an argument of run: differentiated
 
-  def run(q, k, v, do, dl, skip=True):
-    f = lambda q, k, v: sharding.ring_attention(
-        q, k, v, mesh=mesh, axis_name=axis, batch_axis=batch_axis, head_axis=head_axis,
-        layout=layout, return_lse=True, block_k=8, skip_masked_blocks=skip, **kw)
-    (o, lse), vjp = jax.vjp(f, q, k, v)
+  def run(q, k, v, do, dl, *sinks, skip=True):
+    def f(q, k, v, *sinks):
+      return sharding.ring_attention(
+          q, k, v, mesh=mesh, axis_name=axis, batch_axis=batch_axis, head_axis=head_axis,
+          layout=layout, return_lse=True, block_k=8, skip_masked_blocks=skip,
+          sinks=sinks[0] if sinks else None, **kw)
+    (o, lse), vjp = jax.vjp(f, q, k, v, *sinks)
     return (o, lse) + vjp((do, dl))
 
   x = P(batch_axis, axis, head_axis, None)
   lse_spec = P(batch_axis, head_axis, axis)
-  specs = (x, x, x, x, lse_spec)
+  specs = (x, x, x, x, lse_spec) + ((P(head_axis),) if has_sinks else ())
   d_out, d_lse = helpers.cotangents(p, rng)
 
   def layout_inputs(poison):
     q, k, v, do, dl = poisoned_inputs(p, dtype, poison, rng, d_out, d_lse)
-    return [q[:, idx_q], k[:, idx_k], v[:, idx_k], do[:, idx_q], dl[:, :, idx_q]]
+    sinks = [np.asarray(p.sinks, np.float32)] if has_sinks else []
+    return [q[:, idx_q], k[:, idx_k], v[:, idx_k], do[:, idx_q], dl[:, :, idx_q]] + sinks
 
   compiled, hlo = compile_for(run, mesh, layout_inputs("zero"), specs)
-  assert collectives(hlo) == ["collective-permute"], collectives(hlo)
+  # The sinks' gradient sums over every row: one all-reduce.
+  assert collectives(hlo) == (["all-reduce"] if has_sinks else []) + ["collective-permute"], collectives(hlo)
 
   def results(poison, exe=compiled):
-    o, lse, dq, dk, dv = (np.asarray(r) for r in exe(*[place(a, mesh, sp) for a, sp in
-                                                          zip(layout_inputs(poison), specs)]))
-    return dict(out=o[:, inv_q], lse=lse[:, :, inv_q], dq=dq[:, inv_q], dk=dk[:, inv_k],
-                dv=dv[:, inv_k])
+    o, lse, dq, dk, dv, *dsinks = (np.asarray(r) for r in exe(*[place(a, mesh, sp) for a, sp in
+                                                                   zip(layout_inputs(poison), specs)]))
+    res = dict(out=o[:, inv_q], lse=lse[:, :, inv_q], dq=dq[:, inv_q], dk=dk[:, inv_k],
+               dv=dv[:, inv_k])
+    if dsinks:
+      res["dsinks"] = dsinks[0]
+    return res
 
   base = results("zero")
-  names = ["out", "lse", "dq", "dk", "dv"]
+  names = ["out", "lse", "dq", "dk", "dv"] + (["dsinks"] if has_sinks else [])
   ref, naive = oracle.expected(p, dtype, d_out, d_lse)
   oracle.assert_close(base, ref, naive, dtype, names)
   helpers.assert_contract_zeros(p, base, ref)

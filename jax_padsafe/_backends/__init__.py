@@ -32,7 +32,10 @@ def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, pr
 
 
 def _call_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, problem=None):
-  """Why the kernels cannot run this call, whatever the library (the default build matrix without one)."""
+  """Why the kernels cannot run this call, whatever the library (the default build matrix without one).
+  The features the kernels do not take at all are named here first."""
+  if spec.sinks:
+    return "the CuTe kernels take no attention sinks (sinks=) yet"
   if problem is not None and problem.unsupported is not None:
     return problem.unsupported
   aux = bias is not None or mask is not None

@@ -159,7 +159,7 @@ def default_scale(head_dim: int) -> float:
 
 
 def make_spec(head_dim, scale, is_causal, local_window_size, softcap, block_k, *, bottom_right=False,
-              deterministic=False) -> AttentionSpec:
+              deterministic=False, sinks=False) -> AttentionSpec:
   """The checked static options of one call."""
   scale = check_scalar("scale", scale)
   if scale is None:
@@ -175,7 +175,21 @@ def make_spec(head_dim, scale, is_causal, local_window_size, softcap, block_k, *
     raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
   return AttentionSpec(scale=scale, causal=bool(is_causal), window_left=left, window_right=right,
                        softcap=softcap, block_k=int(block_k), bottom_right=bool(bottom_right),
-                       deterministic=bool(deterministic))
+                       deterministic=bool(deterministic), sinks=bool(sinks))
+
+
+def sinks(value, num_heads):
+  """``sinks``: one float logit per query head, ``[N]``, as float32 (or ``None``). Differentiable: the
+  cast is an ordinary JAX op, so a bfloat16 parameter gets its gradient back in bfloat16."""
+  if value is None:
+    return None
+  value = jnp.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    raise TypeError(f"sinks must be a floating array (one logit per query head), got {value.dtype}")
+  if value.shape != (num_heads,):
+    raise ValueError(f"sinks must have shape [N] = ({num_heads},) (one logit per query head), "
+                     f"got {value.shape}")
+  return value.astype(jnp.float32)
 
 
 def lengths(name, value, batch, upper):

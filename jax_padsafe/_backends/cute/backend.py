@@ -161,15 +161,17 @@ def _run_kernel_or_fallback(problem, on_cuda, elsewhere, *operands):
   return lax.platform_dependent(*operands, cuda=cuda, default=elsewhere)
 
 
-def cute_forward(spec, q, k, v, bias, mask, problem):
+def cute_forward(spec, q, k, v, bias, mask, sinks, problem):
   """Forward on the GPU kernel for CUDA, the pure-JAX forward elsewhere (same results contract)."""
-  return cute_forward_with_stats(spec, q, k, v, bias, mask, problem)[:2]
+  return cute_forward_with_stats(spec, q, k, v, bias, mask, sinks, problem)[:2]
 
 
-def cute_forward_with_stats(spec, q, k, v, bias, mask, problem):
+def cute_forward_with_stats(spec, q, k, v, bias, mask, sinks, problem):
   """``(o, lse, stats)``: ``stats`` is ``None`` without a mask or bias, else the exact row statistics
   ``(row_max, log_sum)`` ``[B, N, T]`` of the aux kernels and the mask's block summary
-  (:func:`_aux_forward`)."""
+  (:func:`_aux_forward`).  ``sinks`` is always ``None``: the kernels take no sinks yet, and dispatch
+  (``_backends._call_unsupported_reason``) keeps calls with sinks on the pure-JAX backend."""
+  del sinks
   if bias is not None or mask is not None:
     return _aux_forward(spec, q, k, v, bias, mask, problem)
   static = tuple(sorted(_problem_static_args(spec, problem).items()))
@@ -225,8 +227,15 @@ def backward_supported(spec: AttentionSpec, q, k) -> bool:
       direction="backward") is None
 
 
-def cute_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats=None):
-  """Backward on the GPU kernels (CUDA) where built and supported, else the pure-JAX backward."""
+def cute_backward(spec, q, k, v, bias, mask, sinks, problem, o, lse, do, dlse, stats=None):
+  """Backward on the GPU kernels (CUDA) where built and supported, else the pure-JAX backward.
+  ``sinks`` is ``None`` (see :func:`cute_forward_with_stats`), so is the sinks' gradient."""
+  del sinks
+  return _backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats) + (None,)
+
+
+def _backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
+  """``(dq, dk, dv, dbias)`` of :func:`cute_backward`."""
   if bias is not None or mask is not None:
     return _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats)
   if not backward_supported(spec, q, k):
@@ -304,7 +313,7 @@ def _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, sta
   the gradients are zeroed after (what the select in front of the pure-JAX path does by its VJP).
   ``stats``: :class:`xla.RowStats` where the forward kept them."""
   q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
-  dq, dk, dv, dbias = xla.backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse, stats)
+  dq, dk, dv, dbias, _ = xla.backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse, stats)
   dq, dk, dv = visibility.zero_padded_inputs(dq, dk, dv, problem.q_seg, problem.k_seg)
   return dq, dk, dv, dbias
 

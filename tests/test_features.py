@@ -1,0 +1,164 @@
+"""The contract's additions on the pure-JAX path: sinks, a value head dim of its own, ALiBi slopes.
+
+Each case runs the whole contract (``helpers.check_problem`` / ``helpers.check_packed``): outputs and
+every gradient (the sinks' included) against the float64 oracle with the accuracy rule, exact zeros
+(lse = the sink for valid rows without keys), and bitwise poison invariance.  On ``impl="cute"`` the
+kernels do not take these features yet: dispatch must say so (``NotImplementedError``) and the case
+skips, as in ``test_contract``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_padsafe
+from tests import helpers
+from tests.helpers import random_problem
+
+
+def contract(p, dtype, impl, **kw):
+  try:
+    return helpers.check_problem(p, dtype, impl, **kw)
+  except NotImplementedError as e:
+    if impl == "cute":
+      pytest.skip(f"not supported by the kernels: {e}")
+    raise
+
+
+def random_sinks(rng, n, *, special=True):
+  """Sink logits around the logits' scale; with ``special`` one head without a sink (-inf)."""
+  sinks = rng.normal(0.5, 1.5, size=n)
+  if special:
+    sinks[rng.integers(n)] = -np.inf
+  return sinks
+
+
+# --------------------------------------------------------------------------------------------------
+# Sinks
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("bottom_right", [False, True], ids=["top_left", "bottom_right"])
+def test_sinks_causal_gqa(impl, dtype, bottom_right):
+  """GQA (each query head its own sink), causal in both alignments, lengths with keyless rows (kv_len 0,
+  and bottom-right rows before the first key)."""
+  rng = np.random.default_rng(101 + bottom_right)
+  p = random_problem(rng, b=3, t=29, s=23, n=6, k=2, q_len=[29, 12, 5], kv_len=[0, 23, 3], causal=True,
+                     bottom_right=bottom_right, sinks=random_sinks(rng, 6))
+  base, ref = contract(p, dtype, impl)
+  assert ref["empty"].sum() > 10, "the problem must hold valid rows that see no key"
+
+
+def test_sinks_window_segments(impl):
+  """Sinks with a window and segment ids (a negative id is padding: its row gets lse 0, not the sink)."""
+  rng = np.random.default_rng(102)
+  ids = np.array([[0] * 8 + [1] * 10 + [-1] * 3 + [2] * 9, [4] * 12 + [-1] * 6 + [5] * 12])
+  p = random_problem(rng, b=2, t=30, s=30, n=4, k=4, q_len=[30, 27], kv_len=[30, 30], causal=True,
+                     window=(4, 0), sinks=random_sinks(rng, 4))
+  p.q_ids, p.kv_ids = ids, ids.copy()
+  contract(p, jnp.float32, impl)
+
+
+def test_sinks_with_bias_and_mask(impl):
+  """Sinks next to a bias (with -inf entries) and a boolean mask: both hide keys, the sink stays."""
+  rng = np.random.default_rng(103)
+  p = random_problem(rng, b=2, t=17, s=21, n=4, k=2, q_len=[17, 9], kv_len=[21, 13],
+                     sinks=random_sinks(rng, 4))
+  bias = rng.standard_normal((2, 4, 17, 21))
+  bias[rng.random(bias.shape) < 0.1] = -np.inf
+  p.bias = bias
+  p.mask = rng.random((2, 1, 17, 21)) < 0.6
+  p.mask[0, :, 3] = False  # a valid row whose every key is masked: lse = the sink
+  contract(p, jnp.float32, impl)
+
+
+@pytest.mark.parametrize("sink", [1e4, -1e30, 30.0, -40.0], ids=["1e4", "-1e30", "30", "-40"])
+def test_huge_sinks(impl, sink):
+  """Sinks far above every logit (all weight on the sink: out ~ 0, lse = sink) or far below (no weight):
+  max-shifted sums, no overflow, no NaN, gradients finite and matching the oracle."""
+  rng = np.random.default_rng(104)
+  sinks = np.array([sink, 0.3, sink, -np.inf])
+  p = random_problem(rng, b=2, t=21, s=19, n=4, k=2, q_len=[21, 7], kv_len=[19, 0], causal=True,
+                     sinks=sinks)
+  base, _ = contract(p, jnp.float32, impl)
+  assert np.all(np.isfinite(base["dsinks"]))
+  if sink == 1e4:  # all the weight on the sink: lse is the sink and the output vanishes
+    np.testing.assert_array_equal(base["lse"][0, 0, :21], np.float32(sink))
+    assert np.all(np.abs(base["out"][:, :, 0]) < 1e-30)
+
+
+def test_sinks_empty_rows_exact(impl):
+  """A valid row that sees no key: out 0, lse = sink, dQ 0, and d lse / d sink = 1 there, so with only
+  such rows dsinks is exactly the sum of their lse cotangents (dO contributes nothing: out is 0)."""
+  rng = np.random.default_rng(105)
+  b, t, s, n, h = 2, 6, 8, 4, 32
+  sinks = jnp.asarray([0.25, -3.0, 7.5, -np.inf], jnp.float32)
+  q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((b, s, n, h)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((b, s, n, h)), jnp.float32)
+  q_len, kv_len = jnp.array([6, 4]), jnp.array([0, 0])
+  dl = jnp.asarray(rng.standard_normal((b, n, t)), jnp.float32)
+  do = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+
+  def f(q, sinks):
+    return jax_padsafe.dot_product_attention(q, k, v, sinks=sinks, query_seq_lengths=q_len,
+                                             key_value_seq_lengths=kv_len, return_lse=True,
+                                             implementation="xla")
+
+  (o, lse), vjp = jax.vjp(f, q, sinks)
+  dq, dsinks = vjp((do, dl))
+  assert np.all(np.asarray(o) == 0) and np.all(np.asarray(dq) == 0)
+  valid = np.arange(t)[None, :] < np.asarray(q_len)[:, None]       # [B, T]
+  want = np.where(valid[:, None, :], np.asarray(sinks)[None, :, None], 0.0)
+  np.testing.assert_array_equal(np.asarray(lse), want.astype(np.float32))
+  dl_valid = np.where(valid[:, None, :], np.asarray(dl, np.float64), 0.0).sum(axis=(0, 2))
+  dl_valid[3] = 0.0  # the head without a sink (-inf) has no softmax at all: nothing flows to it
+  np.testing.assert_allclose(np.asarray(dsinks), dl_valid, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sinks_packed(impl, causal):
+  """varlen_attention with sinks: lead, gaps and tail rows are padding (lse 0, not the sink), an empty
+  sequence's rows that have no key get the sink."""
+  rng = np.random.default_rng(106 + causal)
+  d = helpers.build_packed(rng, [9, 4, 12], [7, 4, 10], [11, 5, 3], [11, 0, 3], lead_q=2, lead_k=1,
+                           n=4, k=2, h=32, causal=causal, bottom_right=causal,
+                           sinks=random_sinks(rng, 4))
+  try:
+    helpers.check_packed(d, jnp.float32, impl, rng)
+  except NotImplementedError as e:
+    if impl == "cute":
+      pytest.skip(str(e))
+    raise
+
+
+def test_sinks_jit_vmap_deterministic():
+  """Sinks under jit and vmap (a batch of problems sharing the sinks, and one set of sinks per mapped
+  problem) give the per-problem results bitwise; repeated gradients are bitwise identical."""
+  rng = np.random.default_rng(107)
+  m, b, t, s, n, h = 3, 2, 9, 11, 4, 16
+  q = jnp.asarray(rng.standard_normal((m, b, t, n, h)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((m, b, s, 2, h)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((m, b, s, 2, h)), jnp.float32)
+  sinks = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  lengths = jnp.array([9, 5])
+
+  def loss(q, k, v, sinks):
+    o, lse = jax_padsafe.dot_product_attention(q, k, v, sinks=sinks, is_causal=True,
+                                               query_seq_lengths=lengths, return_lse=True,
+                                               implementation="xla", block_k=4)
+    return jnp.sum(o * o) + jnp.sum(jnp.sin(lse))
+
+  grad = jax.jit(jax.grad(loss, (0, 3)))
+  mapped = jax.vmap(grad)(q, k, v, sinks)
+  shared = jax.vmap(grad, in_axes=(0, 0, 0, None))(q, k, v, sinks[0])
+  for i in range(m):
+    one = grad(q[i], k[i], v[i], sinks[i])
+    for a, e in zip(mapped, one):
+      helpers.assert_bitwise_equal(np.asarray(a[i]), np.asarray(e), f"vmap problem {i}")
+    for a, e in zip(shared, grad(q[i], k[i], v[i], sinks[0])):
+      helpers.assert_bitwise_equal(np.asarray(a[i]), np.asarray(e), f"vmap shared sinks {i}")
+  again = jax.vmap(grad)(q, k, v, sinks)
+  for a, e in zip(again, mapped):
+    helpers.assert_bitwise_equal(np.asarray(a), np.asarray(e), "repeated gradients")
