@@ -48,8 +48,9 @@ def dot_product_attention(
 ):
   r"""Pad-safe scaled dot-product attention; a drop-in for ``jax.nn.dot_product_attention``.
 
-  Shapes follow ``jax.nn``: ``query [B, T, N, H]``, ``key``/``value`` ``[B, S, K, H]`` with
-  ``N % K == 0`` (MHA, GQA, MQA); rank-3 inputs ``[T, N, H]`` are treated as a batch of one.
+  Shapes follow ``jax.nn``: ``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, Hv]``
+  with ``N % K == 0`` (MHA, GQA, MQA); rank-3 inputs ``[T, N, H]`` are treated as a batch of one.
+  The value head dim ``Hv`` may differ from ``H`` (any pair on the pure-JAX path); the output has it.
 
   Args:
     query, key, value: bfloat16, float16 or float32 arrays of one dtype.
@@ -88,7 +89,7 @@ def dot_product_attention(
       values or ``-inf`` (no sink for that head); differentiable. Runs on the pure-JAX path.
 
   Returns:
-    ``out`` with ``query``'s shape and dtype, or ``(out, lse)`` with ``return_lse=True``. Padded
+    ``out [B, T, N, Hv]`` in ``query``'s dtype, or ``(out, lse)`` with ``return_lse=True``. Padded
     query rows give ``out = 0`` and ``lse = 0``; valid rows with no visible key give ``out = 0``
     and ``lse = -inf`` (``lse = sinks[h]`` with sinks). Every result is bitwise independent of what
     padded memory holds.
@@ -124,7 +125,7 @@ def dot_product_attention(
       query_segment_ids, key_value_segment_ids, kernel_view=implementation != "xla",
       max_segments=max_segments)
   backend = _backends.choose_backend(implementation, spec, problem, query, key, bias=bias,
-                                     mask=mask)
+                                     mask=mask, value=value)
   out, lse = _run(spec, backend, query, key, value, bias, mask, sinks, problem)
   if unbatched:
     out, lse = out[0], lse[0]
@@ -155,7 +156,7 @@ def varlen_attention(
 ):
   r"""Pad-safe attention over a packed (variable-length) batch.
 
-  ``query [total_q, N, H]``, ``key``/``value`` ``[total_k, K, H]``. Sequence ``b`` owns query rows
+  ``query [total_q, N, H]``, ``key [total_k, K, H]``, ``value [total_k, K, Hv]``. Sequence ``b`` owns query rows
   ``cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1`` and key rows ``cu_seqlens_k[b] .. cu_seqlens_k[b+1]-1``
   (int32, length ``B+1``, non-decreasing). Optional ``seqused_q``/``seqused_k`` (int ``[B]``) say
   how many leading rows of each sequence are used; the rest of the sequence, and every row at or
@@ -167,7 +168,7 @@ def varlen_attention(
   costs little there). A smaller bound raises ``ValueError``
   when the offsets are concrete; under ``jit`` (traced offsets) the rows of a sequence past the bound
   are padding, in every implementation. Positions used by the causal and
-  window masks are counted from each sequence's start. Returns ``out [total_q, N, H]`` and, with
+  window masks are counted from each sequence's start. Returns ``out [total_q, N, Hv]`` and, with
   ``return_lse=True``, ``lse [N, total_q]`` float32. Other arguments as in
   :func:`dot_product_attention`.
   """
@@ -210,7 +211,7 @@ def varlen_attention(
                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                   alignment=causal_alignment)
   backend = _backends.choose_backend(implementation, spec, problem, query, key, bias=None,
-                                     mask=None)
+                                     mask=None, value=value)
   out, lse = _run(spec, backend, query[None], key[None], value[None], None, None, sinks, problem)
   out, lse = out[0], lse[0]
   return (out, lse) if return_lse else out

@@ -163,7 +163,7 @@ def ring_attention(
   Call it under ``jax.jit`` (it works eagerly too).
 
   Args:
-    query: ``[B, T, N, H]``; key, value: ``[B, S, K, H]`` (``N % K == 0``). Sequence axes in the
+    query: ``[B, T, N, H]``; key: ``[B, S, K, H]``; value: ``[B, S, K, Hv]`` (``N % K == 0``). Sequence axes in the
       order given by ``layout``, sharded (or to be sharded) over ``axis_name``.
     mesh: a ``jax.sharding.Mesh``.
     axis_name: the mesh axis the sequence is split over (``P`` devices: ``T`` and ``S`` must be
@@ -198,7 +198,7 @@ def ring_attention(
     Other arguments as in :func:`jax_padsafe.dot_product_attention`.
 
   Returns:
-    ``out [B, T, N, H]`` (and ``lse [B, N, T]`` float32 with ``return_lse=True``) in the layout's
+    ``out [B, T, N, Hv]`` (and ``lse [B, N, T]`` float32 with ``return_lse=True``) in the layout's
     order, sharded like the inputs.
   """
   checks.check_alignment(causal_alignment)
@@ -244,7 +244,7 @@ def ring_attention(
                                   key_value_seq_lengths, query_segment_ids, key_value_segment_ids,
                                   kernel_view=False, positions=(rows_q, rows_k))
   checks.check_implementation(implementation)
-  kernel_fwd, kernel_bwd = _ring_kernels(implementation, spec, query, key)
+  kernel_fwd, kernel_bwd = _ring_kernels(implementation, spec, query, key, value)
   max_runs = 1
   if query_segment_ids is not None:
     if max_segments is not None:
@@ -419,14 +419,15 @@ def _shift(tree, cfg):
 
 
 def _pack_chunk(k, v, k_seg, k_pos):
-  """What travels around the ring: K and V in the input dtype (half the bytes of fp32 for bf16)
-  and the key segments/positions, as two arrays (two collective-permutes per hop)."""
-  return jnp.stack([k, v]), jnp.stack([k_seg, k_pos])
+  """What travels around the ring: K and V in the input dtype (half the bytes of fp32 for bf16),
+  side by side on the head dim (V's may differ from K's), and the key segments/positions, as two
+  arrays (two collective-permutes per hop)."""
+  return jnp.concatenate([k, v], axis=-1), jnp.stack([k_seg, k_pos])
 
 
-def _unpack_chunk(kv):
+def _unpack_chunk(kv, head_dim):
   kvf, kvi = kv
-  return kvf[0], kvf[1], kvi[0], kvi[1]
+  return kvf[..., :head_dim], kvf[..., head_dim:], kvi[0], kvi[1]
 
 
 def _merge(o_acc, lse_acc, o_blk, lse_blk):
@@ -473,7 +474,7 @@ def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks):
   for step in range(num):
     # Issue the transfer of the next chunk before computing on this one (overlap).
     kv_next = _shift(kv, cfg) if step < num - 1 else None
-    kc, vc, ksc, kpc = _unpack_chunk(kv)
+    kc, vc, ksc, kpc = _unpack_chunk(kv, k.shape[-1])
     chunks = list(zip(_split(kc, nsub, 1), _split(vc, nsub, 1), _split(ksc, nsub, 1),
                       _split(kpc, nsub, 1)))
     for a, (qa, qsa, qpa) in enumerate(qs):
@@ -511,11 +512,11 @@ def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
   dq = [jnp.zeros(qa.shape, _F32) for qa, *_ in qs]  # fp32 accumulators (dq, dk, dv)
 
   kv = _pack_chunk(k, v, k_seg, k_pos)
-  dkv = None  # [2, ...] fp32 dK/dV of the chunk currently held, received from the previous device
+  dkv = None  # fp32 dK|dV (side by side on the head dim) of the chunk held, from the previous device
   num = cfg.size
   for step in range(num):
     kv_next = _shift(kv, cfg) if step < num - 1 else None
-    kc, vc, ksc, kpc = _unpack_chunk(kv)
+    kc, vc, ksc, kpc = _unpack_chunk(kv, k.shape[-1])
     chunks = list(zip(_split(kc, nsub, 1), _split(vc, nsub, 1), _split(ksc, nsub, 1),
                       _split(kpc, nsub, 1)))
     dk_parts, dv_parts = [], []
@@ -538,7 +539,7 @@ def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
       dv_parts.append(dv_b)
     dk_here = jnp.concatenate(dk_parts, axis=1) if nsub > 1 else dk_parts[0]
     dv_here = jnp.concatenate(dv_parts, axis=1) if nsub > 1 else dv_parts[0]
-    here = jnp.stack([dk_here, dv_here])
+    here = jnp.concatenate([dk_here, dv_here], axis=-1)
     dkv = here if dkv is None else dkv + here
     # The accumulator travels with its chunk; after the last step it arrives home.
     if num > 1:
@@ -546,18 +547,19 @@ def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
     kv = kv_next
 
   dq = jnp.concatenate(dq, axis=1) if nsub > 1 else dq[0]
-  return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+  h = k.shape[-1]
+  return dq.astype(q.dtype), dkv[..., :h].astype(k.dtype), dkv[..., h:].astype(v.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
 # One query/key chunk pair: the GPU kernels where they express it exactly, else pure JAX
 # --------------------------------------------------------------------------------------------------
 
-def _ring_kernels(implementation, spec, query, key):
+def _ring_kernels(implementation, spec, query, key, value):
   """(forward, backward) chunk pairs may use the kernels; raises for "cute" when they cannot."""
   if implementation == "xla":
     return False, False
-  reason = _backends.kernel_unsupported_reason(spec, query, key, bias=None, mask=None)
+  reason = _backends.kernel_unsupported_reason(spec, query, key, bias=None, mask=None, value=value)
   if reason is None and spec.has_window:
     reason = ("a local window on the ring: the chunk pairs' position offsets are not expressible "
               "by the kernels")
@@ -566,7 +568,7 @@ def _ring_kernels(implementation, spec, query, key):
       raise NotImplementedError(f'ring_attention(implementation="cute") cannot run this call: '
                                 f"{reason}. Use implementation=None to fall back to pure JAX.")
     if not spec.has_window:  # warns (CUDA hosts) if only a missing or unusable library is the reason
-      _backends.note_fallback(spec, query, key, bias=None, mask=None)
+      _backends.note_fallback(spec, query, key, bias=None, mask=None, value=value)
     return False, False
   return True, cute.backward_supported(spec, query, key)
 

@@ -162,3 +162,59 @@ def test_sinks_jit_vmap_deterministic():
   again = jax.vmap(grad)(q, k, v, sinks)
   for a, e in zip(again, mapped):
     helpers.assert_bitwise_equal(np.asarray(a), np.asarray(e), "repeated gradients")
+
+
+# --------------------------------------------------------------------------------------------------
+# Value head dim
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("h,hv,dtype", [(192, 128, jnp.bfloat16), (32, 80, jnp.float32), (64, 8, jnp.float16)],
+                         ids=["192_128_bf16", "32_80_f32", "64_8_f16"])
+def test_value_head_dim(impl, h, hv, dtype):
+  """``value [B, S, K, Hv]`` with Hv != H: out and dV have Hv, dQ and dK have H; GQA, bottom-right causal,
+  lengths with keyless rows."""
+  rng = np.random.default_rng(h * 1000 + hv)
+  p = random_problem(rng, b=2, t=19, s=27, n=4, k=2, h=h, hv=hv, q_len=[19, 8], kv_len=[27, 3],
+                     causal=True, bottom_right=True)
+  base, _ = contract(p, dtype, impl)
+  assert base["out"].shape == (2, 19, 4, hv) and base["dv"].shape == (2, 27, 2, hv)
+  assert base["dq"].shape == (2, 19, 4, h) and base["dk"].shape == (2, 27, 2, h)
+
+
+def test_value_head_dim_with_everything(impl):
+  """Hv != H with sinks, a bias, a mask, a window, softcap and segment ids at once."""
+  rng = np.random.default_rng(111)
+  ids = np.array([[0] * 9 + [1] * 11 + [-1] * 4, [2] * 24])
+  p = random_problem(rng, b=2, t=24, s=24, n=4, k=1, h=16, hv=40, q_len=[24, 20], kv_len=[24, 17],
+                     window=(6, 2), softcap=3.0, sinks=random_sinks(rng, 4))
+  p.q_ids, p.kv_ids = ids, ids.copy()
+  p.bias = rng.standard_normal((1, 4, 24, 24))
+  p.mask = rng.random((2, 1, 24, 24)) < 0.8
+  contract(p, jnp.float32, impl)
+
+
+def test_value_head_dim_packed(impl):
+  rng = np.random.default_rng(112)
+  d = helpers.build_packed(rng, [7, 10, 5], [7, 6, 5], [9, 4, 8], [9, 4, 0], n=4, k=2, h=24, hv=56,
+                           causal=True, tail_q=2, tail_k=4)
+  try:
+    base, _ = helpers.check_packed(d, jnp.float32, impl, rng)
+  except NotImplementedError as e:
+    if impl == "cute":
+      pytest.skip(str(e))
+    raise
+  assert base["out"].shape[-1] == 56 and base["dv"].shape[-1] == 56 and base["dq"].shape[-1] == 24
+
+
+def test_value_head_dim_bad_shapes():
+  """Value shapes are checked but for the head dim; errors name the argument."""
+  q = jnp.zeros((2, 8, 4, 16))
+  k = jnp.zeros((2, 10, 2, 16))
+  with pytest.raises(ValueError, match="value shape"):
+    jax_padsafe.dot_product_attention(q, k, jnp.zeros((2, 9, 2, 32)))
+  with pytest.raises(ValueError, match="value shape"):
+    jax_padsafe.dot_product_attention(q, k, jnp.zeros((2, 10, 1, 32)))
+  with pytest.raises(ValueError, match="head dims must be positive"):
+    jax_padsafe.dot_product_attention(q, k, jnp.zeros((2, 10, 2, 0)))
+  with pytest.raises(ValueError, match="value shape"):
+    jax_padsafe.varlen_attention(q[0], k[0], jnp.zeros((9, 2, 32)), jnp.array([0, 8]), jnp.array([0, 10]))

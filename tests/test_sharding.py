@@ -479,6 +479,11 @@ RING_CASES = {
         dict(b=2, t=16, s=32, n=4, k=2, h=16, q_len=[16, 11], kv_len=[30, 0], causal=True,
              bottom_right=True, sinks=np.array([0.7, -np.inf, 2.5, -1.0])),
         jnp.float32, (4,), ("seq",), "seq", None, None, "zigzag"),
+    # A value head dim of its own: K and V travel side by side on the head dim.
+    "value_head_dim_sinks_segments_contiguous": (
+        dict(b=2, t=32, s=32, n=4, k=2, h=16, hv=24, q_len=[32, 25], kv_len=[32, 30], causal=True,
+             softcap=15.0, sinks=np.array([0.2, 1.0, -np.inf, -0.5])),
+        jnp.float32, (2, 2), ("data", "seq"), "seq", "data", None, "contiguous"),
     "sinks_heads_x_seq_grouped_bf16": (
         dict(b=2, t=16, s=16, n=4, k=2, h=64, q_len=[16, 7], kv_len=[13, 3], causal=True,
              sinks=np.array([1.5, 0.0, -2.0, 4.0])),
@@ -489,7 +494,7 @@ RING_CASES = {
 def _ring_problem(name, rng):
   kw, *_ = RING_CASES[name]
   kw = dict(kw)
-  if name.startswith("window_softcap_segments"):
+  if name.startswith("window_softcap_segments") or "_segments_" in name:
     t = kw["t"]
     ids = np.where(np.arange(t) < 13, 0, 1)[None].repeat(kw["b"], 0)
     ids[1, 29:] = -1

@@ -49,13 +49,15 @@ def check_float_inputs(query, key, value, *, rank: int, layout: str):
   if not (query.dtype == key.dtype == value.dtype):
     raise TypeError(
         f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
-  if key.shape != value.shape:
-    raise ValueError(f"value shape {value.shape} must equal key shape {key.shape}")
+  if key.shape[:-1] != value.shape[:-1]:
+    raise ValueError(f"value shape {value.shape} must equal key shape {key.shape} but in the last "
+                     "dimension (value's head dim may differ)")
   if query.shape[-1] != key.shape[-1]:
     raise ValueError(
         f"query head dim {query.shape[-1]} must equal key head dim {key.shape[-1]}")
-  if query.shape[-1] == 0:
-    raise ValueError("head dim must be positive")
+  if query.shape[-1] == 0 or value.shape[-1] == 0:
+    raise ValueError(f"head dims must be positive, got {query.shape[-1]} (query/key) and "
+                     f"{value.shape[-1]} (value)")
   n, k = query.shape[-2], key.shape[-2]
   if k == 0 or n % k != 0:
     raise ValueError(
