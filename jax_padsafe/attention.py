@@ -45,6 +45,7 @@ def dot_product_attention(
     block_k: int = 512,
     max_segments: int | None = None,
     sinks=None,
+    alibi_slopes=None,
 ):
   r"""Pad-safe scaled dot-product attention; a drop-in for ``jax.nn.dot_product_attention``.
 
@@ -87,6 +88,10 @@ def dot_product_attention(
       own): every valid row's softmax denominator gains ``exp(sinks[h])``, a key with a zero value
       that every valid row sees, so ``lse`` includes it and a row may attend to "nothing". Finite
       values or ``-inf`` (no sink for that head); differentiable. Runs on the pure-JAX path.
+    alibi_slopes: optional float ``[N]`` or ``[B, N]`` ALiBi slopes: the score bias
+      ``-slope * |i + off - j|`` (the ``off`` of ``causal_alignment``, from the valid lengths), added
+      after the softcap like ``bias``. Not differentiated (``stop_gradient``). Computed blockwise
+      from positions on the pure-JAX path (no ``T x S`` array).
 
   Returns:
     ``out [B, T, N, Hv]`` in ``query``'s dtype, or ``(out, lse)`` with ``return_lse=True``. Padded
@@ -116,17 +121,21 @@ def dot_product_attention(
       "mask", mask[None] if unbatched and jnp.ndim(mask) == 3 else mask, (b, n, t, s), bool_dtype=True)
   checks.check_segment_pair(query_segment_ids, key_value_segment_ids)
   sinks = checks.sinks(sinks, n)
+  alibi = checks.alibi_slopes(alibi_slopes, b, n)
+  if alibi is not None:
+    alibi = alibi[:, :, None]  # per query row: [1|B, N, 1]
 
   spec = checks.make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
                           bottom_right=causal_alignment == "bottom_right",
-                          deterministic=bool(deterministic), sinks=sinks is not None)
+                          deterministic=bool(deterministic), sinks=sinks is not None,
+                          alibi=alibi is not None)
   problem = canonical.from_padded(
       spec, b, t, s, causal_alignment, query_seq_lengths, key_value_seq_lengths,
       query_segment_ids, key_value_segment_ids, kernel_view=implementation != "xla",
       max_segments=max_segments)
   backend = _backends.choose_backend(implementation, spec, problem, query, key, bias=bias,
                                      mask=mask, value=value)
-  out, lse = _run(spec, backend, query, key, value, bias, mask, sinks, problem)
+  out, lse = _run(spec, backend, query, key, value, bias, mask, sinks, alibi, problem)
   if unbatched:
     out, lse = out[0], lse[0]
   return (out, lse) if return_lse else out
@@ -153,6 +162,7 @@ def varlen_attention(
     deterministic: bool = False,
     block_k: int = 512,
     sinks=None,
+    alibi_slopes=None,
 ):
   r"""Pad-safe attention over a packed (variable-length) batch.
 
@@ -168,7 +178,8 @@ def varlen_attention(
   costs little there). A smaller bound raises ``ValueError``
   when the offsets are concrete; under ``jit`` (traced offsets) the rows of a sequence past the bound
   are padding, in every implementation. Positions used by the causal and
-  window masks are counted from each sequence's start. Returns ``out [total_q, N, Hv]`` and, with
+  window masks (and by ALiBi) are counted from each sequence's start; ``alibi_slopes`` is ``[N]`` or
+  ``[B, N]`` (one row of slopes per sequence). Returns ``out [total_q, N, Hv]`` and, with
   ``return_lse=True``, ``lse [N, total_q]`` float32. Other arguments as in
   :func:`dot_product_attention`.
   """
@@ -204,15 +215,25 @@ def varlen_attention(
   used_q = jnp.minimum(used_q, max_seqlen_q)
   used_k = jnp.minimum(used_k, max_seqlen_k)
 
+  alibi = checks.alibi_slopes(alibi_slopes, nseq, n)
+  if alibi is not None and alibi.shape[0] == 0:
+    alibi = None  # no sequence, every row is padding: nothing to bias
   spec = checks.make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
                           bottom_right=causal_alignment == "bottom_right",
-                          deterministic=bool(deterministic), sinks=sinks is not None)
+                          deterministic=bool(deterministic), sinks=sinks is not None,
+                          alibi=alibi is not None)
   problem = canonical.from_packed(cu_q, cu_k, used_q, used_k, total_q, total_k,
                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                   alignment=causal_alignment)
+  if alibi is not None and alibi.shape[0] > 1:
+    # One row of slopes per sequence: each query row takes its sequence's (padded rows: 0, unread).
+    seq = problem.q_seg[0]
+    alibi = jnp.where(seq[:, None] >= 0, jnp.take(alibi, jnp.maximum(seq, 0), axis=0), 0.0).T[None]
+  elif alibi is not None:
+    alibi = alibi[:, :, None]
   backend = _backends.choose_backend(implementation, spec, problem, query, key, bias=None,
                                      mask=None, value=value)
-  out, lse = _run(spec, backend, query[None], key[None], value[None], None, None, sinks, problem)
+  out, lse = _run(spec, backend, query[None], key[None], value[None], None, None, sinks, alibi, problem)
   out, lse = out[0], lse[0]
   return (out, lse) if return_lse else out
 
@@ -220,7 +241,7 @@ def varlen_attention(
 # --------------------------------------------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _run(spec, backend, q, k, v, bias, mask, sinks, problem):
+def _run(spec, backend, q, k, v, bias, mask, sinks, alibi, problem):
   # Jitted so that eager calls compile once per configuration (under an outer jit it is inlined).
   # The pure-JAX path sanitises before any arithmetic: padded rows become exact zeros by select, and
   # gradients flow back through the select, which routes exact zeros to the padded rows. The
@@ -228,7 +249,7 @@ def _run(spec, backend, q, k, v, bias, mask, sinks, problem):
   # gradients): they never compute from padded rows and zero the padded outputs themselves.
   if not backend.reads_padding_safely:
     q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
-  return vjp.attention(spec, backend, q, k, v, bias, mask, sinks, problem)
+  return vjp.attention(spec, backend, q, k, v, bias, mask, sinks, alibi, problem)
 
 
 # The layers (flax_linen, flax_nnx, equinox) take the frameworks' [batch..., length, heads, head_dim]

@@ -156,18 +156,20 @@ def test_unsupported_falls_back_or_raises(kernels_built, case):
              q, k, v)
 
 
-FEATURES = {"sinks": "sinks", "value_head_dim": "same head dim for V"}
+FEATURES = {"sinks": "sinks", "alibi": "ALiBi", "value_head_dim": "same head dim for V"}
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_features_without_kernels_fall_back_or_raise(kernels_built, feature, layout):
-  """Calls the kernels do not take yet (sinks, a value head dim of its own) run on the pure-JAX path by
+  """Calls the kernels do not take yet (sinks, ALiBi, a value head dim of its own) run on the pure-JAX path by
   default, gradient included; implementation="cute" raises NotImplementedError naming the feature."""
   q, k, v = _qkv()
   kw = {}
   if feature == "sinks":
     kw["sinks"] = jnp.zeros((8,), jnp.float32)
+  if feature == "alibi":
+    kw["alibi_slopes"] = jnp.ones((8,), jnp.float32)
   if feature == "value_head_dim":  # (192, 128): a pair the kernels may take later, not yet
     q, k, _ = _qkv(h=192)
     v = jax.ShapeDtypeStruct(k.shape[:-1] + (128,), k.dtype)

@@ -218,3 +218,100 @@ def test_value_head_dim_bad_shapes():
     jax_padsafe.dot_product_attention(q, k, jnp.zeros((2, 10, 2, 0)))
   with pytest.raises(ValueError, match="value shape"):
     jax_padsafe.varlen_attention(q[0], k[0], jnp.zeros((9, 2, 32)), jnp.array([0, 8]), jnp.array([0, 10]))
+
+
+# --------------------------------------------------------------------------------------------------
+# ALiBi
+# --------------------------------------------------------------------------------------------------
+
+def random_slopes(rng, shape):
+  """ALiBi's geometric slopes (2^(-8h/N)), shuffled and scaled at random so that heads and rows differ."""
+  n = shape[-1]
+  base = 2.0 ** (-8.0 * np.arange(1, n + 1) / n)
+  return base * rng.uniform(0.5, 2.0, size=shape)
+
+
+@pytest.mark.parametrize("slopes", ["per_head", "per_batch"])
+@pytest.mark.parametrize("bottom_right", [False, True], ids=["top_left", "bottom_right"])
+@pytest.mark.parametrize("t,s", [(23, 31), (31, 13)], ids=["k_longer", "q_longer"])
+def test_alibi(impl, slopes, bottom_right, t, s):
+  """``-slope * |i + off - j|`` with the causal alignment's offset from the valid lengths (bottom-right:
+  kv_len - q_len per row, never the padded shapes), GQA, causal."""
+  rng = np.random.default_rng(121 + 2 * bottom_right + (t > s))
+  shape = (4,) if slopes == "per_head" else (3, 4)
+  p = random_problem(rng, b=3, t=t, s=s, n=4, k=2, q_len=[t, t // 2, 2], kv_len=[s - 3, s, 5],
+                     causal=True, bottom_right=bottom_right, alibi=random_slopes(rng, shape))
+  contract(p, jnp.float32, impl)
+
+
+def test_alibi_no_causal_softcap_bias_mask_sinks(impl):
+  """ALiBi without a causal mask (both sides of the diagonal), after the softcap, together with a bias
+  (and its -inf entries), a mask, a window and sinks; bfloat16."""
+  rng = np.random.default_rng(122)
+  p = random_problem(rng, b=2, t=20, s=26, n=4, k=4, q_len=[20, 11], kv_len=[26, 17], softcap=2.0,
+                     window=(None, 6), bottom_right=True, alibi=random_slopes(rng, (2, 4)),
+                     sinks=random_sinks(rng, 4))
+  p.q *= 2
+  p.bias = rng.standard_normal((2, 1, 20, 26))
+  p.bias[rng.random(p.bias.shape) < 0.05] = -np.inf
+  p.mask = rng.random((1, 4, 20, 26)) < 0.85
+  contract(p, jnp.bfloat16, impl)
+
+
+def test_alibi_segment_ids(impl):
+  """With segment ids the distance is between row positions (the contract's i and j), as for causal."""
+  rng = np.random.default_rng(123)
+  ids = np.array([[0] * 7 + [1] * 13 + [-1] * 4, [3] * 10 + [4] * 14])
+  p = random_problem(rng, b=2, t=24, s=24, n=2, k=1, q_len=[24, 24], kv_len=[24, 21], causal=True,
+                     alibi=random_slopes(rng, (2,)))
+  p.q_ids, p.kv_ids = ids, ids.copy()
+  contract(p, jnp.float32, impl)
+
+
+@pytest.mark.parametrize("slopes", ["per_head", "per_sequence"])
+def test_alibi_packed(impl, slopes):
+  """varlen_attention: positions from each sequence's start, one row of slopes per sequence or shared."""
+  rng = np.random.default_rng(124 + (slopes == "per_sequence"))
+  d = helpers.build_packed(rng, [9, 4, 12], [7, 4, 12], [11, 5, 6], [10, 5, 6], lead_q=1, n=4, k=2, h=32,
+                           causal=True, bottom_right=True,
+                           alibi=random_slopes(rng, (4,) if slopes == "per_head" else (3, 4)))
+  try:
+    helpers.check_packed(d, jnp.float32, impl, rng)
+  except NotImplementedError as e:
+    if impl == "cute":
+      pytest.skip(str(e))
+    raise
+
+
+def test_alibi_slopes_get_no_gradient_and_no_t_by_s_array():
+  """The slopes are not differentiated (their cotangent is zero), and the pure-JAX path builds the
+  bias per key block: no float array of T x S elements in the program."""
+  rng = np.random.default_rng(125)
+  b, t, s, n, h = 1, 64, 96, 2, 8
+  q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((b, s, n, h)), jnp.float32)
+  slopes = jnp.asarray([0.5, 0.25], jnp.float32)
+
+  def loss(q, slopes):
+    return jnp.sum(jax_padsafe.dot_product_attention(q, k, k, alibi_slopes=slopes, implementation="xla",
+                                                     block_k=16) ** 2)
+
+  dq, dslopes = jax.grad(loss, (0, 1))(q, slopes)
+  assert np.all(np.asarray(dslopes) == 0) and np.any(np.asarray(dq) != 0)
+  text = jax.jit(jax.grad(loss)).lower(q, slopes).as_text()
+  assert f"{t}x{s}xf32" not in text and f"{s}x{t}xf32" not in text
+
+
+def test_alibi_bad_shapes():
+  q = jnp.zeros((2, 8, 4, 16))
+  with pytest.raises(ValueError, match="alibi_slopes"):
+    jax_padsafe.dot_product_attention(q, q, q, alibi_slopes=jnp.zeros((3,)))
+  with pytest.raises(ValueError, match="alibi_slopes"):
+    jax_padsafe.dot_product_attention(q, q, q, alibi_slopes=jnp.zeros((3, 4)))
+  with pytest.raises(TypeError, match="alibi_slopes"):
+    jax_padsafe.dot_product_attention(q, q, q, alibi_slopes=jnp.zeros((4,), jnp.int32))
+  with pytest.raises(ValueError, match="sinks"):
+    jax_padsafe.dot_product_attention(q, q, q, sinks=jnp.zeros((2,)))
+  with pytest.raises(ValueError, match="alibi_slopes"):
+    jax_padsafe.varlen_attention(q[0], q[0], q[0], jnp.array([0, 3, 8]), jnp.array([0, 4, 8]),
+                                 alibi_slopes=jnp.zeros((3, 4)))

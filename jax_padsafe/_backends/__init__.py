@@ -37,6 +37,8 @@ def _call_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, pro
   The features the kernels do not take at all are named here first."""
   if spec.sinks:
     return "the CuTe kernels take no attention sinks (sinks=) yet"
+  if spec.alibi:
+    return "the CuTe kernels take no ALiBi slopes (alibi_slopes=) yet"
   if problem is not None and problem.unsupported is not None:
     return problem.unsupported
   aux = bias is not None or mask is not None

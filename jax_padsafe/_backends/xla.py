@@ -22,6 +22,9 @@ Pad-safety rules followed everywhere below:
   never evaluated;
 * rows with no visible key produce ``o = 0`` and ``lse = -inf`` (valid rows) or ``lse = 0`` (padded rows).
 
+ALiBi adds ``-slope * |q_pos - k_pos|`` to the logits after the softcap, next to the bias, computed
+per key block from the canonical positions (which include the alignment offset): no T x S array.
+
 Sinks (one logit per query head, ``exp(sink)`` added to every valid row's denominator) are a key with
 a zero value that every valid row sees: the online softmax starts from it (``m = sink``, ``l = 1``), so
 a valid row that sees no key comes out with ``o = 0`` and ``lse = sink``, and huge or ``-inf`` sinks
@@ -126,8 +129,9 @@ def _heads_to_groups(x, num_kv_heads: int):
   return x.reshape(bx, num_kv_heads, nx // num_kv_heads, tx, sx)
 
 
-def _key_blocks(spec, k, v, bias, mask, k_seg, k_pos):
-  """Everything that varies along the key axis, split into scan inputs (or kept whole if broadcast)."""
+def _key_blocks(spec, k, v, bias, mask, k_seg, k_pos, alibi=None):
+  """Everything that varies along the key axis, split into scan inputs (or kept whole if broadcast);
+  the ALiBi slopes (``[1|B, N, 1|T]``, constant along the keys) are kept whole."""
   s = k.shape[1]
   block, nblk = _num_blocks(spec, s)
   xs = {
@@ -147,6 +151,8 @@ def _key_blocks(spec, k, v, bias, mask, k_seg, k_pos):
       whole[name] = arr
     else:
       xs[name] = _split_last(arr, block, nblk, fill)
+  if alibi is not None:  # [Bx, N, Tx] -> [Bx, K, G, Tx, 1], to broadcast against the logits
+    whole["alibi"] = alibi.reshape(alibi.shape[0], num_kv_heads, -1, alibi.shape[-1])[..., None]
   return xs, whole, block, nblk
 
 
@@ -179,6 +185,10 @@ def _block_logits(spec: AttentionSpec, qg, q_seg, q_pos, blk):
     # A bias of -inf hides a key exactly like a mask does; elsewhere only visible entries are read.
     vis = vis & (bias != -jnp.inf)
     s = s + jnp.where(vis, bias, _F32(0))
+  if "alibi" in blk:
+    # |i + off - j| from the positions (int32: exact), then in float32 like the bias.
+    dist = jnp.abs(q_pos[:, None, None, :, None] - blk["k_pos"][:, None, None, None, :]).astype(_F32)
+    s = s + jnp.where(vis, -blk["alibi"] * dist, _F32(0))
   return s, vis, tanh_s
 
 
@@ -191,10 +201,13 @@ def _group_queries(x, num_kv_heads):
 # Forward
 # --------------------------------------------------------------------------------------------------
 
-def forward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, *, sinks=None):
+def forward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, *, sinks=None,
+            alibi=None):
   """Returns ``(o [B, T, N, Hv] q.dtype, lse [B, N, T] float32)``. Inputs must be sanitised.
-  ``sinks``: float32 ``[N]`` sink logits, or ``None``."""
-  o, lse, _ = forward_with_stats(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, sinks=sinks)
+  ``sinks``: float32 ``[N]`` sink logits, or ``None``; ``alibi``: float32 ALiBi slopes ``[1|B, N, 1|T]``
+  (per query row), or ``None``."""
+  o, lse, _ = forward_with_stats(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, sinks=sinks,
+                                 alibi=alibi)
   return o, lse
 
 
@@ -204,12 +217,12 @@ def _grouped_sinks(sinks, num_kv_heads):
 
 
 def forward_with_stats(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, *,
-                       sinks=None):
+                       sinks=None, alibi=None):
   """``(o, lse, RowStats)``: :func:`forward` and the row statistics its backward reads."""
   b, t, n, _ = q.shape
   num_kv_heads, hv = k.shape[2], v.shape[-1]
   qg = _group_queries(q, num_kv_heads)
-  xs, whole, _, _ = _key_blocks(spec, k, v, bias, mask, k_seg, k_pos)
+  xs, whole, _, _ = _key_blocks(spec, k, v, bias, mask, k_seg, k_pos, alibi)
   q_valid = visibility.row_is_valid(q_seg)[:, None, None, :]
 
   def step(carry, blk):
@@ -259,7 +272,7 @@ def forward_with_stats(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q
 # --------------------------------------------------------------------------------------------------
 
 def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse,
-             stats: RowStats | None = None, *, sinks=None):
+             stats: RowStats | None = None, *, sinks=None, alibi=None):
   """Gradients ``(dq, dk, dv, dbias, dsinks)`` by blockwise recomputation.
 
   With ``stats`` (from :func:`forward_with_stats`) P is ``exp((s - m) - log_l)`` and Delta comes
@@ -288,7 +301,7 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
   m_safe = jnp.where(has_key, m, _F32(0))  # a NaN max (NaN in valid data) propagates
   log_l = jnp.where(has_key, log_l, _F32(0))
   qg = _group_queries(q, num_kv_heads)
-  xs, whole, block, nblk = _key_blocks(spec, k, v, bias, mask, k_seg, k_pos)
+  xs, whole, block, nblk = _key_blocks(spec, k, v, bias, mask, k_seg, k_pos, alibi)
   bias_shape = None if bias is None else bias.shape
   if o32 is None:
     # Statistics without a float32 output (the kernels' output is in the input dtype, whose rounding
@@ -401,16 +414,17 @@ def _reduce_to_bias(ds, bias_shape):
 # The backend
 # --------------------------------------------------------------------------------------------------
 
-def xla_forward(spec, q, k, v, bias, mask, sinks, problem):
-  return forward(spec, q, k, v, bias, mask, *problem.rows(), sinks=sinks)
+def xla_forward(spec, q, k, v, bias, mask, sinks, alibi, problem):
+  return forward(spec, q, k, v, bias, mask, *problem.rows(), sinks=sinks, alibi=alibi)
 
 
-def xla_forward_with_stats(spec, q, k, v, bias, mask, sinks, problem):
-  return forward_with_stats(spec, q, k, v, bias, mask, *problem.rows(), sinks=sinks)
+def xla_forward_with_stats(spec, q, k, v, bias, mask, sinks, alibi, problem):
+  return forward_with_stats(spec, q, k, v, bias, mask, *problem.rows(), sinks=sinks, alibi=alibi)
 
 
-def xla_backward(spec, q, k, v, bias, mask, sinks, problem, o, lse, do, dlse, stats=None):
-  return backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse, stats, sinks=sinks)
+def xla_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats=None):
+  return backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse, stats, sinks=sinks,
+                  alibi=alibi)
 
 
 XLA = Backend("xla", xla_forward, xla_backward, forward_with_stats=xla_forward_with_stats)

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_padsafe._core.spec import AttentionSpec
 
@@ -161,7 +162,7 @@ def default_scale(head_dim: int) -> float:
 
 
 def make_spec(head_dim, scale, is_causal, local_window_size, softcap, block_k, *, bottom_right=False,
-              deterministic=False, sinks=False) -> AttentionSpec:
+              deterministic=False, sinks=False, alibi=False) -> AttentionSpec:
   """The checked static options of one call."""
   scale = check_scalar("scale", scale)
   if scale is None:
@@ -177,7 +178,7 @@ def make_spec(head_dim, scale, is_causal, local_window_size, softcap, block_k, *
     raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
   return AttentionSpec(scale=scale, causal=bool(is_causal), window_left=left, window_right=right,
                        softcap=softcap, block_k=int(block_k), bottom_right=bool(bottom_right),
-                       deterministic=bool(deterministic), sinks=bool(sinks))
+                       deterministic=bool(deterministic), sinks=bool(sinks), alibi=bool(alibi))
 
 
 def sinks(value, num_heads):
@@ -192,6 +193,22 @@ def sinks(value, num_heads):
     raise ValueError(f"sinks must have shape [N] = ({num_heads},) (one logit per query head), "
                      f"got {value.shape}")
   return value.astype(jnp.float32)
+
+
+def alibi_slopes(value, batch, num_heads, *, batch_name="B"):
+  """``alibi_slopes``: ``[N]`` or ``[batch, N]`` floats, as float32 ``[1 | batch, N]`` (or ``None``).
+
+  The slopes are not differentiated (``stop_gradient``): ALiBi fixes them (a geometric sequence per
+  head), and a gradient would need a T x S reduction of dS weighted by distances."""
+  if value is None:
+    return None
+  value = jnp.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    raise TypeError(f"alibi_slopes must be a floating array, got {value.dtype}")
+  if value.shape not in ((num_heads,), (batch, num_heads)):
+    raise ValueError(f"alibi_slopes must have shape [N] = ({num_heads},) or [{batch_name}, N] = "
+                     f"({batch}, {num_heads}), got {value.shape}")
+  return lax.stop_gradient(value.astype(jnp.float32)).reshape(-1, num_heads)
 
 
 def lengths(name, value, batch, upper):

@@ -30,6 +30,8 @@ class AttentionSpec:
   # Per-head sink logits are given (an array next to the bias): one more term in every row's softmax
   # denominator. Static, so that dispatch can tell without the array which backends take the call.
   sinks: bool = False
+  # ALiBi slopes are given (an array next to the bias): the score bias -slope * |q_pos - k_pos|.
+  alibi: bool = False
 
   @property
   def has_window(self) -> bool:

@@ -161,17 +161,17 @@ def _run_kernel_or_fallback(problem, on_cuda, elsewhere, *operands):
   return lax.platform_dependent(*operands, cuda=cuda, default=elsewhere)
 
 
-def cute_forward(spec, q, k, v, bias, mask, sinks, problem):
+def cute_forward(spec, q, k, v, bias, mask, sinks, alibi, problem):
   """Forward on the GPU kernel for CUDA, the pure-JAX forward elsewhere (same results contract)."""
-  return cute_forward_with_stats(spec, q, k, v, bias, mask, sinks, problem)[:2]
+  return cute_forward_with_stats(spec, q, k, v, bias, mask, sinks, alibi, problem)[:2]
 
 
-def cute_forward_with_stats(spec, q, k, v, bias, mask, sinks, problem):
+def cute_forward_with_stats(spec, q, k, v, bias, mask, sinks, alibi, problem):
   """``(o, lse, stats)``: ``stats`` is ``None`` without a mask or bias, else the exact row statistics
   ``(row_max, log_sum)`` ``[B, N, T]`` of the aux kernels and the mask's block summary
-  (:func:`_aux_forward`).  ``sinks`` is always ``None``: the kernels take no sinks yet, and dispatch
-  (``_backends._call_unsupported_reason``) keeps calls with sinks on the pure-JAX backend."""
-  del sinks
+  (:func:`_aux_forward`).  ``sinks`` and ``alibi`` are always ``None``: the kernels take neither yet,
+  and dispatch (``_backends._call_unsupported_reason``) keeps such calls on the pure-JAX backend."""
+  del sinks, alibi
   if bias is not None or mask is not None:
     return _aux_forward(spec, q, k, v, bias, mask, problem)
   static = tuple(sorted(_problem_static_args(spec, problem).items()))
@@ -227,10 +227,10 @@ def backward_supported(spec: AttentionSpec, q, k) -> bool:
       direction="backward") is None
 
 
-def cute_backward(spec, q, k, v, bias, mask, sinks, problem, o, lse, do, dlse, stats=None):
+def cute_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats=None):
   """Backward on the GPU kernels (CUDA) where built and supported, else the pure-JAX backward.
-  ``sinks`` is ``None`` (see :func:`cute_forward_with_stats`), so is the sinks' gradient."""
-  del sinks
+  ``sinks`` and ``alibi`` are ``None`` (see :func:`cute_forward_with_stats`), so is the sinks' gradient."""
+  del sinks, alibi
   return _backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats) + (None,)
 
 
