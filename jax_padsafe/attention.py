@@ -283,11 +283,12 @@ def _fold_pairwise(name, x, batch_shape):
 
 def attend(query, key, value, *, bias=None, mask=None, query_seq_lengths=None,
            key_value_seq_lengths=None, query_segment_ids=None, key_value_segment_ids=None,
-           **options):
+           alibi_slopes=None, **options):
   """:func:`dot_product_attention` on ``[batch..., T, N, H]`` inputs with any number of batch dims.
 
   Lengths broadcast to ``batch...``; segment ids to ``[batch..., T]`` / ``[batch..., S]``; ``mask``
-  and ``bias`` to ``[batch..., N, T, S]`` (the Flax convention).
+  and ``bias`` to ``[batch..., N, T, S]`` (the Flax convention); ``alibi_slopes`` is ``[N]`` or
+  broadcasts to ``[batch..., N]``; ``sinks`` (``[N]``) passes through.
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   if query.ndim < 3:
@@ -317,6 +318,10 @@ def attend(query, key, value, *, bias=None, mask=None, query_seq_lengths=None,
     kw["mask"] = _fold_pairwise("mask", mask, batch_shape)
   if bias is not None:
     kw["bias"] = _fold_pairwise("bias", bias, batch_shape)
+  if alibi_slopes is not None:
+    alibi_slopes = jnp.asarray(alibi_slopes)
+    kw["alibi_slopes"] = alibi_slopes if alibi_slopes.ndim == 1 else _fold(
+        alibi_slopes, batch_shape, alibi_slopes.shape[-1:])
   if "query_seq_lengths" in kw:
     checks.check_lengths_in_range("query_seq_lengths", kw["query_seq_lengths"], t)
   if "key_value_seq_lengths" in kw:
