@@ -166,11 +166,12 @@ def varlen_attention(
 ):
   r"""Pad-safe attention over a packed (variable-length) batch.
 
-  ``query [total_q, N, H]``, ``key [total_k, K, H]``, ``value [total_k, K, Hv]``. Sequence ``b`` owns query rows
-  ``cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1`` and key rows ``cu_seqlens_k[b] .. cu_seqlens_k[b+1]-1``
-  (int32, length ``B+1``, non-decreasing). Optional ``seqused_q``/``seqused_k`` (int ``[B]``) say
-  how many leading rows of each sequence are used; the rest of the sequence, and every row at or
-  past ``cu_seqlens[-1]``, is padding: output 0, lse 0, zero gradients, never read.
+  ``query [total_q, N, H]``, ``key [total_k, K, H]``, ``value [total_k, K, Hv]``. Sequence ``b``
+  owns query rows ``cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1`` and key rows ``cu_seqlens_k[b] ..
+  cu_seqlens_k[b+1]-1`` (int32, length ``B+1``, non-decreasing). Optional
+  ``seqused_q``/``seqused_k`` (int ``[B]``) say how many leading rows of each sequence are used; the
+  rest of the sequence, and every row at or past ``cu_seqlens[-1]``, is padding: output 0, lse 0,
+  zero gradients, never read.
 
   ``max_seqlen_q``/``max_seqlen_k`` (static ints) bound the sequence lengths; the GPU kernels need
   them to size their grid (default: ``total_q``/``total_k``; where that bound would launch mostly tiles

@@ -197,7 +197,9 @@ class MultiHeadAttention(nn.Module):
       key = nn.LayerNorm(name="key_ln", use_bias=False, dtype=self.dtype,
                          param_dtype=self.param_dtype)(key)
     query, key, value = _promote(query, key, value, self.dtype)
-    sinks = self.param("sinks", self.sinks_init, (self.num_heads,), self.param_dtype) if self.use_sinks else None
+    sinks = None
+    if self.use_sinks:
+      sinks = self.param("sinks", self.sinks_init, (self.num_heads,), self.param_dtype)
     x = attention.attend(
         query, key, value, mask=mask, bias=bias, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, query_segment_ids=query_segment_ids,

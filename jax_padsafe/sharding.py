@@ -163,8 +163,9 @@ def ring_attention(
   Call it under ``jax.jit`` (it works eagerly too).
 
   Args:
-    query: ``[B, T, N, H]``; key: ``[B, S, K, H]``; value: ``[B, S, K, Hv]`` (``N % K == 0``). Sequence axes in the
-      order given by ``layout``, sharded (or to be sharded) over ``axis_name``.
+    query: ``[B, T, N, H]``; key: ``[B, S, K, H]``; value: ``[B, S, K, Hv]`` (``N % K == 0``).
+      Sequence axes in the order given by ``layout``, sharded (or to be sharded) over
+      ``axis_name``.
     mesh: a ``jax.sharding.Mesh``.
     axis_name: the mesh axis the sequence is split over (``P`` devices: ``T`` and ``S`` must be
       multiples of ``P``, of ``2P`` for ``layout="zigzag"``).
@@ -337,8 +338,8 @@ class _RingConfig:
 
   def specs(self):
     seq, bat, hd = self.axis_name, self.batch_axis, self.head_axis
-    return dict(x=PartitionSpec(bat, seq, hd, None), row=PartitionSpec(bat, seq), lse=PartitionSpec(bat, hd, seq),
-                head=PartitionSpec(hd))
+    return dict(x=PartitionSpec(bat, seq, hd, None), row=PartitionSpec(bat, seq),
+                lse=PartitionSpec(bat, hd, seq), head=PartitionSpec(hd))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

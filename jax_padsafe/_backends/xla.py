@@ -67,13 +67,14 @@ class RowStats(NamedTuple):
   """What the forward keeps for the backward, per query row (``[B, K, G, T]``, grouped heads).
 
   ``m``: the row's max logit, the sink included (``-inf`` for rows that saw no key and have no sink,
-  0 in padded rows); ``log_l``: the log of its sum of ``exp(s - m)``, the sink's term included; ``o``: the output ``[B, K, G, T, Hv]`` in float32.  ``lse = m +
-  log_l`` rounds to ``m`` once ``|m|`` dwarfs ``log_l`` (a huge finite bias on every key: -1e30,
-  finfo.min), so ``exp(s - lse)`` would give 1 where the softmax is ``1 / l``; ``exp((s - m) -
-  log_l)`` is exact to rounding for any finite ``m``.  Delta = rowsum(dO * O) is formed from the
-  float32 output, not the one rounded to the input dtype (dQ's remaining mismatch, from P rounded
-  for its product with V, is corrected in :func:`backward`); ``o`` None (the kernels' statistics,
-  :func:`row_stats_from_kernels`): Delta = rowsum(P * dP) from the recomputed P and dP."""
+  0 in padded rows); ``log_l``: the log of its sum of ``exp(s - m)``, the sink's term included;
+  ``o``: the output ``[B, K, G, T, Hv]`` in float32.  ``lse = m + log_l`` rounds to ``m`` once
+  ``|m|`` dwarfs ``log_l`` (a huge finite bias on every key: -1e30, finfo.min), so ``exp(s - lse)``
+  would give 1 where the softmax is ``1 / l``; ``exp((s - m) - log_l)`` is exact to rounding for any
+  finite ``m``.  Delta = rowsum(dO * O) is formed from the float32 output, not the one rounded to
+  the input dtype (dQ's remaining mismatch, from P rounded for its product with V, is corrected in
+  :func:`backward`); ``o`` None (the kernels' statistics, :func:`row_stats_from_kernels`): Delta =
+  rowsum(P * dP) from the recomputed P and dP."""
   m: jax.Array
   log_l: jax.Array
   o: jax.Array | None
