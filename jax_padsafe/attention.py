@@ -44,11 +44,14 @@ def dot_product_attention(
     deterministic: bool = False,
     block_k: int = 512,
     max_segments: int | None = None,
+    sinks=None,
+    alibi_slopes=None,
 ):
   r"""Pad-safe scaled dot-product attention; a drop-in for ``jax.nn.dot_product_attention``.
 
-  Shapes follow ``jax.nn``: ``query [B, T, N, H]``, ``key``/``value`` ``[B, S, K, H]`` with
-  ``N % K == 0`` (MHA, GQA, MQA); rank-3 inputs ``[T, N, H]`` are treated as a batch of one.
+  Shapes follow ``jax.nn``: ``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, Hv]``
+  with ``N % K == 0`` (MHA, GQA, MQA); rank-3 inputs ``[T, N, H]`` are treated as a batch of one.
+  The value head dim ``Hv`` may differ from ``H`` (any pair on the pure-JAX path); the output has it.
 
   Args:
     query, key, value: bfloat16, float16 or float32 arrays of one dtype.
@@ -81,11 +84,20 @@ def dot_product_attention(
     max_segments: static bound on the segment-id runs per batch row that the kernels are sized for
       (their grid grows with it). Default: counted from concrete ids, else 32 for traced ids. Rows
       with more runs take the pure-JAX path at run time.
+    sinks: optional float ``[N]``, one sink logit per query head (with GQA each query head has its
+      own): every valid row's softmax denominator gains ``exp(sinks[h])``, a key with a zero value
+      that every valid row sees, so ``lse`` includes it and a row may attend to "nothing". Finite
+      values or ``-inf`` (no sink for that head); differentiable. Runs on the pure-JAX path.
+    alibi_slopes: optional float ``[N]`` or ``[B, N]`` ALiBi slopes: the score bias
+      ``-slope * |i + off - j|`` (the ``off`` of ``causal_alignment``, from the valid lengths), added
+      after the softcap like ``bias``. Not differentiated (``stop_gradient``). Computed blockwise
+      from positions on the pure-JAX path (no ``T x S`` array).
 
   Returns:
-    ``out`` with ``query``'s shape and dtype, or ``(out, lse)`` with ``return_lse=True``. Padded
+    ``out [B, T, N, Hv]`` in ``query``'s dtype, or ``(out, lse)`` with ``return_lse=True``. Padded
     query rows give ``out = 0`` and ``lse = 0``; valid rows with no visible key give ``out = 0``
-    and ``lse = -inf``. Every result is bitwise independent of what padded memory holds.
+    and ``lse = -inf`` (``lse = sinks[h]`` with sinks). Every result is bitwise independent of what
+    padded memory holds.
   """
   checks.check_implementation(implementation)
   checks.check_alignment(causal_alignment)
@@ -108,17 +120,22 @@ def dot_product_attention(
   mask = None if mask is None else checks.broadcastable_4d(
       "mask", mask[None] if unbatched and jnp.ndim(mask) == 3 else mask, (b, n, t, s), bool_dtype=True)
   checks.check_segment_pair(query_segment_ids, key_value_segment_ids)
+  sinks = checks.sinks(sinks, n)
+  alibi = checks.alibi_slopes(alibi_slopes, b, n)
+  if alibi is not None:
+    alibi = alibi[:, :, None]  # per query row: [1|B, N, 1]
 
   spec = checks.make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
                           bottom_right=causal_alignment == "bottom_right",
-                          deterministic=bool(deterministic))
+                          deterministic=bool(deterministic), sinks=sinks is not None,
+                          alibi=alibi is not None)
   problem = canonical.from_padded(
       spec, b, t, s, causal_alignment, query_seq_lengths, key_value_seq_lengths,
       query_segment_ids, key_value_segment_ids, kernel_view=implementation != "xla",
       max_segments=max_segments)
   backend = _backends.choose_backend(implementation, spec, problem, query, key, bias=bias,
-                                     mask=mask)
-  out, lse = _run(spec, backend, query, key, value, bias, mask, problem)
+                                     mask=mask, value=value)
+  out, lse = _run(spec, backend, query, key, value, bias, mask, sinks, alibi, problem)
   if unbatched:
     out, lse = out[0], lse[0]
   return (out, lse) if return_lse else out
@@ -144,14 +161,17 @@ def varlen_attention(
     implementation: str | None = None,
     deterministic: bool = False,
     block_k: int = 512,
+    sinks=None,
+    alibi_slopes=None,
 ):
   r"""Pad-safe attention over a packed (variable-length) batch.
 
-  ``query [total_q, N, H]``, ``key``/``value`` ``[total_k, K, H]``. Sequence ``b`` owns query rows
-  ``cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1`` and key rows ``cu_seqlens_k[b] .. cu_seqlens_k[b+1]-1``
-  (int32, length ``B+1``, non-decreasing). Optional ``seqused_q``/``seqused_k`` (int ``[B]``) say
-  how many leading rows of each sequence are used; the rest of the sequence, and every row at or
-  past ``cu_seqlens[-1]``, is padding: output 0, lse 0, zero gradients, never read.
+  ``query [total_q, N, H]``, ``key [total_k, K, H]``, ``value [total_k, K, Hv]``. Sequence ``b``
+  owns query rows ``cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1`` and key rows ``cu_seqlens_k[b] ..
+  cu_seqlens_k[b+1]-1`` (int32, length ``B+1``, non-decreasing). Optional
+  ``seqused_q``/``seqused_k`` (int ``[B]``) say how many leading rows of each sequence are used; the
+  rest of the sequence, and every row at or past ``cu_seqlens[-1]``, is padding: output 0, lse 0,
+  zero gradients, never read.
 
   ``max_seqlen_q``/``max_seqlen_k`` (static ints) bound the sequence lengths; the GPU kernels need
   them to size their grid (default: ``total_q``/``total_k``; where that bound would launch mostly tiles
@@ -159,7 +179,8 @@ def varlen_attention(
   costs little there). A smaller bound raises ``ValueError``
   when the offsets are concrete; under ``jit`` (traced offsets) the rows of a sequence past the bound
   are padding, in every implementation. Positions used by the causal and
-  window masks are counted from each sequence's start. Returns ``out [total_q, N, H]`` and, with
+  window masks (and by ALiBi) are counted from each sequence's start; ``alibi_slopes`` is ``[N]`` or
+  ``[B, N]`` (one row of slopes per sequence). Returns ``out [total_q, N, Hv]`` and, with
   ``return_lse=True``, ``lse [N, total_q]`` float32. Other arguments as in
   :func:`dot_product_attention`.
   """
@@ -170,6 +191,7 @@ def varlen_attention(
   checks.check_float_inputs(query, key, value, rank=3, layout="packed [total, N, H]")
   total_q, n, h = query.shape
   total_k = key.shape[0]
+  sinks = checks.sinks(sinks, n)
 
   cu_q = checks.int_vector("cu_seqlens_q", cu_seqlens_q, None, what="int32 offsets, length B+1")
   if cu_q.shape[0] < 1:
@@ -194,15 +216,25 @@ def varlen_attention(
   used_q = jnp.minimum(used_q, max_seqlen_q)
   used_k = jnp.minimum(used_k, max_seqlen_k)
 
+  alibi = checks.alibi_slopes(alibi_slopes, nseq, n)
+  if alibi is not None and alibi.shape[0] == 0:
+    alibi = None  # no sequence, every row is padding: nothing to bias
   spec = checks.make_spec(h, scale, is_causal, local_window_size, softcap, block_k,
                           bottom_right=causal_alignment == "bottom_right",
-                          deterministic=bool(deterministic))
+                          deterministic=bool(deterministic), sinks=sinks is not None,
+                          alibi=alibi is not None)
   problem = canonical.from_packed(cu_q, cu_k, used_q, used_k, total_q, total_k,
                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                   alignment=causal_alignment)
+  if alibi is not None and alibi.shape[0] > 1:
+    # One row of slopes per sequence: each query row takes its sequence's (padded rows: 0, unread).
+    seq = problem.q_seg[0]
+    alibi = jnp.where(seq[:, None] >= 0, jnp.take(alibi, jnp.maximum(seq, 0), axis=0), 0.0).T[None]
+  elif alibi is not None:
+    alibi = alibi[:, :, None]
   backend = _backends.choose_backend(implementation, spec, problem, query, key, bias=None,
-                                     mask=None)
-  out, lse = _run(spec, backend, query[None], key[None], value[None], None, None, problem)
+                                     mask=None, value=value)
+  out, lse = _run(spec, backend, query[None], key[None], value[None], None, None, sinks, alibi, problem)
   out, lse = out[0], lse[0]
   return (out, lse) if return_lse else out
 
@@ -210,7 +242,7 @@ def varlen_attention(
 # --------------------------------------------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _run(spec, backend, q, k, v, bias, mask, problem):
+def _run(spec, backend, q, k, v, bias, mask, sinks, alibi, problem):
   # Jitted so that eager calls compile once per configuration (under an outer jit it is inlined).
   # The pure-JAX path sanitises before any arithmetic: padded rows become exact zeros by select, and
   # gradients flow back through the select, which routes exact zeros to the padded rows. The
@@ -218,7 +250,7 @@ def _run(spec, backend, q, k, v, bias, mask, problem):
   # gradients): they never compute from padded rows and zero the padded outputs themselves.
   if not backend.reads_padding_safely:
     q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
-  return vjp.attention(spec, backend, q, k, v, bias, mask, problem)
+  return vjp.attention(spec, backend, q, k, v, bias, mask, sinks, alibi, problem)
 
 
 # The layers (flax_linen, flax_nnx, equinox) take the frameworks' [batch..., length, heads, head_dim]
@@ -252,11 +284,12 @@ def _fold_pairwise(name, x, batch_shape):
 
 def attend(query, key, value, *, bias=None, mask=None, query_seq_lengths=None,
            key_value_seq_lengths=None, query_segment_ids=None, key_value_segment_ids=None,
-           **options):
+           alibi_slopes=None, **options):
   """:func:`dot_product_attention` on ``[batch..., T, N, H]`` inputs with any number of batch dims.
 
   Lengths broadcast to ``batch...``; segment ids to ``[batch..., T]`` / ``[batch..., S]``; ``mask``
-  and ``bias`` to ``[batch..., N, T, S]`` (the Flax convention).
+  and ``bias`` to ``[batch..., N, T, S]`` (the Flax convention); ``alibi_slopes`` is ``[N]`` or
+  broadcasts to ``[batch..., N]``; ``sinks`` (``[N]``) passes through.
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   if query.ndim < 3:
@@ -286,6 +319,10 @@ def attend(query, key, value, *, bias=None, mask=None, query_seq_lengths=None,
     kw["mask"] = _fold_pairwise("mask", mask, batch_shape)
   if bias is not None:
     kw["bias"] = _fold_pairwise("bias", bias, batch_shape)
+  if alibi_slopes is not None:
+    alibi_slopes = jnp.asarray(alibi_slopes)
+    kw["alibi_slopes"] = alibi_slopes if alibi_slopes.ndim == 1 else _fold(
+        alibi_slopes, batch_shape, alibi_slopes.shape[-1:])
   if "query_seq_lengths" in kw:
     checks.check_lengths_in_range("query_seq_lengths", kw["query_seq_lengths"], t)
   if "key_value_seq_lengths" in kw:

@@ -79,9 +79,6 @@ class MultiheadAttention(eqx.Module):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
-    if qk_size != vo_size:
-      raise ValueError(f"jax_padsafe needs qk_size == vo_size (one head_dim), got {qk_size} and "
-                       f"{vo_size}")
     self.query_proj = eqx.nn.Linear(query_size, num_heads * qk_size, use_bias=use_query_bias,
                                     dtype=dtype, key=qkey)
     self.key_proj = eqx.nn.Linear(key_size, num_kv_heads * qk_size, use_bias=use_key_bias,
@@ -99,12 +96,14 @@ class MultiheadAttention(eqx.Module):
     self.scale, self.implementation = scale, implementation
 
   def __call__(self, query, key_, value, mask=None, *, query_length=None, kv_length=None,
-               query_segment_ids=None, kv_segment_ids=None, bias=None, key=None,
-               inference: bool | None = None, process_heads: Callable | None = None):
+               query_segment_ids=None, kv_segment_ids=None, bias=None, sinks=None, alibi_slopes=None,
+               key=None, inference: bool | None = None, process_heads: Callable | None = None):
     """**Arguments:** Equinox's (``query [q_seq, query_size]``, ``key_``/``value``
     ``[kv_seq, key/value_size]``, ``mask`` ``[q_seq, kv_seq]`` or ``[num_heads, q_seq, kv_seq]``,
     ``key``, ``inference``, ``process_heads``), plus ``query_length`` / ``kv_length`` (int scalars),
-    ``query_segment_ids`` / ``kv_segment_ids`` and an additive ``bias`` shaped like ``mask``.
+    ``query_segment_ids`` / ``kv_segment_ids``, an additive ``bias`` shaped like ``mask``, ``sinks``
+    (``[num_heads]``, e.g. a field of the enclosing model: differentiable) and ``alibi_slopes``
+    (``[num_heads]``), as in :func:`jax_padsafe.dot_product_attention` (pure-JAX path).
 
     **Returns:** ``[q_seq, output_size]``; rows at or past ``query_length`` (or with a negative
     segment id) are exactly zero.
@@ -143,6 +142,7 @@ class MultiheadAttention(eqx.Module):
         key_value_seq_lengths=kv_length, query_segment_ids=query_segment_ids,
         key_value_segment_ids=kv_segment_ids, is_causal=self.is_causal,
         causal_alignment=self.causal_alignment, local_window_size=self.local_window_size,
-        softcap=self.softcap, scale=self.scale, implementation=self.implementation)
+        softcap=self.softcap, scale=self.scale, implementation=self.implementation, sinks=sinks,
+        alibi_slopes=alibi_slopes)
     out = jax.vmap(self.output_proj)(attn.reshape(q_seq, self.num_heads * self.vo_size))
     return _layers.select_rows(out, valid_q)

@@ -110,6 +110,11 @@ class MultiHeadAttention(nn.Module):
     num_kv_heads: key/value heads for grouped-query attention (``num_heads % num_kv_heads == 0``).
     is_causal, causal_alignment, local_window_size, softcap, scale, implementation: as in
       :func:`jax_padsafe.dot_product_attention`.
+    use_sinks: add the parameter ``sinks`` ``[num_heads]`` (``sinks_init``, zeros by default): one
+      sink logit per query head (the ``sinks`` argument of :func:`jax_padsafe.dot_product_attention`,
+      pure-JAX path). Off by default.
+
+  Calls also take ``alibi_slopes`` (``[num_heads]`` or ``[batch..., num_heads]``, pure-JAX path).
 
   Call with ``query_seq_lengths`` / ``key_value_seq_lengths`` (int ``[batch...]``) and/or segment
   ids (``[batch..., length]``, negative = padding). Padded input rows are replaced by zeros (a
@@ -138,11 +143,13 @@ class MultiHeadAttention(nn.Module):
   softcap: float | None = None
   scale: float | None = None
   implementation: str | None = None
+  use_sinks: bool = False
+  sinks_init: Callable = nn.initializers.zeros_init()
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, query_seq_lengths=None,
                key_value_seq_lengths=None, query_segment_ids=None, key_value_segment_ids=None,
-               mask=None, bias=None, deterministic: bool | None = None):
+               mask=None, bias=None, alibi_slopes=None, deterministic: bool | None = None):
     if inputs_k is None:
       if inputs_v is not None:
         raise ValueError("inputs_k cannot be None if inputs_v is given")
@@ -190,12 +197,16 @@ class MultiHeadAttention(nn.Module):
       key = nn.LayerNorm(name="key_ln", use_bias=False, dtype=self.dtype,
                          param_dtype=self.param_dtype)(key)
     query, key, value = _promote(query, key, value, self.dtype)
+    sinks = None
+    if self.use_sinks:
+      sinks = self.param("sinks", self.sinks_init, (self.num_heads,), self.param_dtype)
     x = attention.attend(
         query, key, value, mask=mask, bias=bias, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, query_segment_ids=query_segment_ids,
         key_value_segment_ids=key_value_segment_ids, is_causal=self.is_causal,
         causal_alignment=self.causal_alignment, local_window_size=self.local_window_size,
-        softcap=self.softcap, scale=self.scale, implementation=self.implementation)
+        softcap=self.softcap, scale=self.scale, implementation=self.implementation, sinks=sinks,
+        alibi_slopes=alibi_slopes)
     out = nn.DenseGeneral(features=features, axis=(-2, -1),
                           kernel_init=self.out_kernel_init or self.kernel_init,
                           bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias,

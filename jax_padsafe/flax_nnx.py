@@ -8,6 +8,9 @@ initialisers and RNG use, so the same ``nnx.Rngs`` seed gives the same parameter
   (``[batch..., length]``, negative = padding); padded input rows are selected to zero before the
   projections and padded output rows are exactly zero;
 * causal masking (``is_causal``, both alignments), sliding window, softcap, GQA (``num_kv_heads``);
+* optional attention sinks (``use_sinks=True``): a learnable logit per query head, ``sinks``, added to
+  every row's softmax denominator (a row may attend to nothing), and ALiBi slopes per call
+  (``alibi_slopes=``); both run on the pure-JAX path;
 * KV-cache decoding with a length **per sequence**: :meth:`MultiHeadAttention.init_cache`, then
   calls with ``decode=True`` append ``query_seq_lengths[b]`` new tokens (default: all) to sequence
   ``b``'s cache and attend causally with bottom-right alignment (the new tokens sit at the end of
@@ -55,6 +58,9 @@ class MultiHeadAttention(nnx.Module):
     rope: ``None`` (no rotary embedding) or a callable ``rope(x, positions) -> x`` applied to the
       projected queries and keys, e.g. :func:`apply_rope` or ``functools.partial(apply_rope,
       theta=500_000.0)``.
+    use_sinks: add the parameter ``sinks`` ``[num_heads]`` (in ``param_dtype``, initialised by
+      ``sinks_init``, zeros by default): one sink logit per query head (see the ``sinks`` argument of
+      :func:`jax_padsafe.dot_product_attention`). Off by default.
   """
 
   def __init__(
@@ -85,6 +91,8 @@ class MultiHeadAttention(nnx.Module):
       implementation: str | None = None,
       rope: Callable | None = None,
       decode: bool = False,
+      use_sinks: bool = False,
+      sinks_init: Callable = initializers.zeros_init(),
       rngs: nnx.Rngs,
   ):
     self.num_heads = num_heads
@@ -132,6 +140,9 @@ class MultiHeadAttention(nnx.Module):
         (num_heads, self.head_dim), self.out_features, axis=(-2, -1),
         kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
         use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+    # After every parameter of nnx.MultiHeadAttention, so that those stay what one seed gives there.
+    self.sinks = (nnx.Param(sinks_init(rngs.params(), (num_heads,), param_dtype)) if use_sinks
+                  else nnx.data(None))
     self.cached_key = nnx.data(None)
     self.cached_value = nnx.data(None)
     self.cache_lengths = nnx.data(None)
@@ -157,7 +168,7 @@ class MultiHeadAttention(nnx.Module):
   # ------------------------------------------------------------------------------------------------
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, query_seq_lengths=None,
                key_value_seq_lengths=None, query_segment_ids=None, key_value_segment_ids=None,
-               positions=None, kv_positions=None, mask=None, bias=None,
+               positions=None, kv_positions=None, mask=None, bias=None, alibi_slopes=None,
                decode: bool | None = None, deterministic: bool | None = None):
     """Attention over ``inputs_q [batch..., T, in_features]`` (self-attention if ``inputs_k`` is None).
 
@@ -165,6 +176,8 @@ class MultiHeadAttention(nnx.Module):
     (self-attention, one batch dim), ``inputs_q [B, T_new, F]`` holds up to ``T_new`` new tokens per
     sequence, ``query_seq_lengths[b]`` of them valid (default ``T_new``); they are appended to the
     cache at each sequence's own length, and the cache lengths advance by ``query_seq_lengths``.
+    ``alibi_slopes``: ``[num_heads]`` or ``[batch..., num_heads]`` (see
+    :func:`jax_padsafe.dot_product_attention`); in decode mode distances count cache positions.
     """
     deterministic = self.deterministic if deterministic is None else deterministic
     if self.dropout_rate > 0.0 and deterministic is None:
@@ -175,7 +188,7 @@ class MultiHeadAttention(nnx.Module):
     if decode:
       if inputs_k is not None or inputs_v is not None:
         raise ValueError("decode=True is for self-attention: leave inputs_k/inputs_v as None")
-      return self._decode(inputs_q, query_seq_lengths, positions, mask, bias)
+      return self._decode(inputs_q, query_seq_lengths, positions, mask, bias, alibi_slopes)
 
     if inputs_k is None:
       if inputs_v is not None:
@@ -205,11 +218,11 @@ class MultiHeadAttention(nnx.Module):
     x = attention.attend(
         query, key, value, mask=mask, bias=bias, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, query_segment_ids=query_segment_ids,
-        key_value_segment_ids=key_value_segment_ids, **self._options())
+        key_value_segment_ids=key_value_segment_ids, alibi_slopes=alibi_slopes, **self._options())
     return _layers.select_rows(self.out(x), valid_q)
 
   # ------------------------------------------------------------------------------------------------
-  def _decode(self, inputs, new_lengths, positions, mask, bias):
+  def _decode(self, inputs, new_lengths, positions, mask, bias, alibi_slopes):
     if self.cached_key is None:
       raise ValueError("KV cache not initialised: call init_cache(input_shape) first")
     if inputs.ndim != 3:
@@ -250,7 +263,7 @@ class MultiHeadAttention(nnx.Module):
     opts["causal_alignment"] = "bottom_right"
     k_all, v_all = cache_k.astype(query.dtype), cache_v.astype(query.dtype)
     x = attention.attend(query, k_all, v_all, mask=mask, bias=bias, query_seq_lengths=new_lengths,
-                       key_value_seq_lengths=total, **opts)
+                         key_value_seq_lengths=total, alibi_slopes=alibi_slopes, **opts)
     return _layers.select_rows(self.out(x), valid_q)
 
   def _check_features(self, inputs_q, inputs_k):
@@ -271,7 +284,8 @@ class MultiHeadAttention(nnx.Module):
   def _options(self):
     return dict(is_causal=self.is_causal, causal_alignment=self.causal_alignment,
                 local_window_size=self.local_window_size, softcap=self.softcap, scale=self.scale,
-                implementation=self.implementation)
+                implementation=self.implementation,
+                sinks=None if self.sinks is None else self.sinks[...])
 
 
 def _default_positions(length, segment_ids):

@@ -13,9 +13,9 @@ are sharded over batch and/or (whole groups of) heads (see ``docs/sharding.md``)
   (device ``d`` of ``P`` holds chunk ``d`` and chunk ``2P-1-d`` of ``2P`` equal chunks).
 
 The whole pad-safety contract holds on the ring: lengths, segment ids, causal in both alignments,
-window, softcap, padded rows exactly 0 (lse 0), valid rows that see no key give out 0 / lse -inf,
-and results are bitwise independent of what the padding holds. The merge never evaluates
-``-inf - -inf`` and masks with selects.
+window, softcap, sinks, padded rows exactly 0 (lse 0), valid rows that see no key give out 0 / lse
+-inf (the sink with sinks), and results are bitwise independent of what the padding holds. The merge
+never evaluates ``-inf - -inf`` and masks with selects.
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def ring_attention(
     skip_masked_blocks: bool = True,
     implementation: str | None = None,
     max_segments: int | None = None,
+    sinks=None,
 ):
   r"""Pad-safe attention with the sequence sharded over mesh axis ``axis_name`` (ring attention).
 
@@ -162,8 +163,9 @@ def ring_attention(
   Call it under ``jax.jit`` (it works eagerly too).
 
   Args:
-    query: ``[B, T, N, H]``; key, value: ``[B, S, K, H]`` (``N % K == 0``). Sequence axes in the
-      order given by ``layout``, sharded (or to be sharded) over ``axis_name``.
+    query: ``[B, T, N, H]``; key: ``[B, S, K, H]``; value: ``[B, S, K, Hv]`` (``N % K == 0``).
+      Sequence axes in the order given by ``layout``, sharded (or to be sharded) over
+      ``axis_name``.
     mesh: a ``jax.sharding.Mesh``.
     axis_name: the mesh axis the sequence is split over (``P`` devices: ``T`` and ``S`` must be
       multiples of ``P``, of ``2P`` for ``layout="zigzag"``).
@@ -190,10 +192,14 @@ def ring_attention(
       ``None`` but raises ``NotImplementedError`` when the kernels cannot serve the call at all.
     max_segments: as in :func:`jax_padsafe.dot_product_attention` (runs per batch row per chunk
       that the kernels are sized for).
+    sinks: as in :func:`jax_padsafe.dot_product_attention` (float ``[N]``, differentiable). The
+      sinks join each row's result after the ring, as one more partial result merged through its
+      lse (value 0), so the chunk pairs compute what they compute without them. Their gradient is
+      one sum over every row: with sinks the backward has one all-reduce of ``N`` floats.
     Other arguments as in :func:`jax_padsafe.dot_product_attention`.
 
   Returns:
-    ``out [B, T, N, H]`` (and ``lse [B, N, T]`` float32 with ``return_lse=True``) in the layout's
+    ``out [B, T, N, Hv]`` (and ``lse [B, N, T]`` float32 with ``return_lse=True``) in the layout's
     order, sharded like the inputs.
   """
   checks.check_alignment(causal_alignment)
@@ -226,6 +232,8 @@ def ring_attention(
   _check_distinct(axis_name, batch_axis, head_axis)
 
   checks.check_segment_pair(query_segment_ids, key_value_segment_ids)
+  sinks = checks.sinks(sinks, n)
+  # No sinks flag: the chunk pairs never see the sinks (they are merged in after the ring).
   spec = checks.make_spec(h, scale, is_causal, local_window_size, softcap, block_k)
   # Natural position held by every layout slot; segments and positions follow the layout.
   rows_q = rows_k = None
@@ -237,7 +245,7 @@ def ring_attention(
                                   key_value_seq_lengths, query_segment_ids, key_value_segment_ids,
                                   kernel_view=False, positions=(rows_q, rows_k))
   checks.check_implementation(implementation)
-  kernel_fwd, kernel_bwd = _ring_kernels(implementation, spec, query, key)
+  kernel_fwd, kernel_bwd = _ring_kernels(implementation, spec, query, key, value)
   max_runs = 1
   if query_segment_ids is not None:
     if max_segments is not None:
@@ -262,24 +270,26 @@ def ring_attention(
   q, k, v = visibility.zero_padded_inputs(query, key, value, problem.q_seg, problem.k_seg)
   # Head dims without a compiled kernel run zero-padded to the next one (exact: see cute.widen).
   width = _ring_width(cfg, q, v)
-  if width != h:
+  if width is not None and (width != h or width != value.shape[-1]):
     if cfg.kernel_bwd and cute.kernel_width(spec, q, v, aux=False, direction="backward") != width:
       cfg = dataclasses.replace(cfg, kernel_bwd=False)
     q, k, v = (cute.widen(x, width) for x in (q, k, v))
   sp = cfg.specs()
   q, k, v = (_constrain(x, mesh, sp["x"]) for x in (q, k, v))
   q_seg, k_seg, q_pos, k_pos = (_constrain(x, mesh, sp["row"]) for x in problem.rows())
-  out, lse = _ring(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
+  if sinks is not None:
+    sinks = _constrain(sinks, mesh, sp["head"])
+  out, lse = _ring(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks)
   out = out[..., :value.shape[-1]]
   return (out, lse) if return_lse else out
 
 
-def _ring_width(cfg, q, v) -> int:
-  """The head dim the ring's chunk pairs run at: the kernels' compiled one where they are used."""
+def _ring_width(cfg, q, v) -> int | None:
+  """The compiled head dim the ring's kernel chunk pairs run at; None where no kernel runs them."""
   direction = "forward" if cfg.kernel_fwd else "backward" if cfg.kernel_bwd else None
   if direction is None:
-    return q.shape[-1]
-  return cute.kernel_width(cfg.spec, q, v, aux=False, direction=direction) or q.shape[-1]
+    return None
+  return cute.kernel_width(cfg.spec, q, v, aux=False, direction=direction)
 
 
 def _has_explicit_axes(mesh):
@@ -343,23 +353,25 @@ class _RingConfig:
 
   def specs(self):
     seq, bat, hd = self.axis_name, self.batch_axis, self.head_axis
-    return dict(x=PartitionSpec(bat, seq, hd, None), row=PartitionSpec(bat, seq), lse=PartitionSpec(bat, hd, seq))
+    return dict(x=PartitionSpec(bat, seq, hd, None), row=PartitionSpec(bat, seq),
+                lse=PartitionSpec(bat, hd, seq), head=PartitionSpec(hd))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
-  return _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
+def _ring(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks):
+  return _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks)[:2]
 
 
 # The shard_map'd halves are jitted once per ring configuration: called eagerly, a shard_map runs
 # op by op on every device (minutes on CPU for a small causal zigzag ring); under an outer jit the
 # inner jit is inlined, so traced programs are unchanged.
 @functools.lru_cache(maxsize=64)
-def _ring_forward_fn(cfg):
+def _ring_forward_fn(cfg, with_sinks):
   sp = cfg.specs()
   return jax.jit(shard_map(functools.partial(_forward_local, cfg), mesh=cfg.mesh,
-                           in_specs=(sp["x"], sp["x"], sp["x"], sp["row"], sp["row"], sp["row"], sp["row"]),
-                           out_specs=(sp["x"], sp["lse"])))
+                           in_specs=(sp["x"], sp["x"], sp["x"], sp["row"], sp["row"], sp["row"], sp["row"],
+                                     sp["head"] if with_sinks else None),
+                           out_specs=(sp["x"], sp["lse"]) + ((sp["x"],) if with_sinks else ())))
 
 
 @functools.lru_cache(maxsize=64)
@@ -371,20 +383,37 @@ def _ring_backward_fn(cfg):
                            out_specs=(sp["x"], sp["x"], sp["x"])))
 
 
-def _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
-  return _ring_forward_fn(cfg)(q, k, v, q_seg, k_seg, q_pos, k_pos)
+def _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks):
+  """``(o, lse, o32)``: ``o32``, the float32 output, only with sinks (else None), for their gradient."""
+  out = _ring_forward_fn(cfg, sinks is not None)(q, k, v, q_seg, k_seg, q_pos, k_pos, sinks)
+  return out if sinks is not None else out + (None,)
 
 
-def _ring_fwd(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
-  o, lse = _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
-  return (o, lse), (q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse)
+def _ring_fwd(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks):
+  o, lse, o32 = _ring_forward(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks)
+  return (o, lse), (q, k, v, q_seg, k_seg, q_pos, k_pos, sinks, o, lse, o32)
 
 
 def _ring_bwd(cfg, res, cotangents):
-  q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse = res
+  q, k, v, q_seg, k_seg, q_pos, k_pos, sinks, o, lse, o32 = res
   do, dlse = cotangents
+  # The chunk pairs' gradients need no change for sinks: the final lse includes them, so each pair's
+  # P is its share of the full softmax.
   dq, dk, dv = _ring_backward_fn(cfg)(q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse)
-  return dq, dk, dv, None, None, None, None
+  dsinks = None if sinks is None else _sink_gradient(sinks, q_seg, o32, lse, do, dlse)
+  return dq, dk, dv, None, None, None, None, dsinks
+
+
+def _sink_gradient(sinks, q_seg, o, lse, do, dlse):
+  """``dsinks [N]``: the sink of row i has probability ``exp(sink - lse_i)`` and value 0, so its gradient
+  is ``-P_sink * (rowsum(dO * O) - dlse)``, summed over the valid rows (padded rows selected away,
+  whatever their cotangents hold) of every shard.  ``o``: the float32 output (the one rounded to the
+  input dtype would put that rounding into every row's term)."""
+  rows = visibility.row_is_valid(q_seg)[:, None, :] & (lse != -jnp.inf)            # [B, N, T]
+  delta = jnp.einsum("btnh,btnh->bnt", do.astype(_F32), o.astype(_F32), precision=lax.Precision.HIGHEST)
+  delta = delta - dlse.astype(_F32)
+  p_sink = jnp.exp(sinks[None, :, None] - jnp.where(rows, lse, _F32(0)))
+  return jnp.sum(jnp.where(rows, -p_sink * delta, _F32(0)), axis=(0, 2)).astype(sinks.dtype)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -406,14 +435,15 @@ def _shift(tree, cfg):
 
 
 def _pack_chunk(k, v, k_seg, k_pos):
-  """What travels around the ring: K and V in the input dtype (half the bytes of fp32 for bf16)
-  and the key segments/positions, as two arrays (two collective-permutes per hop)."""
-  return jnp.stack([k, v]), jnp.stack([k_seg, k_pos])
+  """What travels around the ring: K and V in the input dtype (half the bytes of fp32 for bf16),
+  side by side on the head dim (V's may differ from K's), and the key segments/positions, as two
+  arrays (two collective-permutes per hop)."""
+  return jnp.concatenate([k, v], axis=-1), jnp.stack([k_seg, k_pos])
 
 
-def _unpack_chunk(kv):
+def _unpack_chunk(kv, head_dim):
   kvf, kvi = kv
-  return kvf[0], kvf[1], kvi[0], kvi[1]
+  return kvf[..., :head_dim], kvf[..., head_dim:], kvi[0], kvi[1]
 
 
 def _merge(o_acc, lse_acc, o_blk, lse_blk):
@@ -438,9 +468,17 @@ def _merge(o_acc, lse_acc, o_blk, lse_blk):
   return o, lse
 
 
-def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
+def _merge_sinks(o_acc, lse_acc, sinks):
+  """The ring's result with the sinks merged in: one more partial result, value 0 and lse the sink."""
+  if sinks is None:
+    return o_acc, lse_acc
+  sink = jnp.broadcast_to(sinks.astype(_F32)[None, :, None], lse_acc.shape)
+  return _merge(o_acc, lse_acc, jnp.zeros_like(o_acc), sink)
+
+
+def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks):
   if cfg.grouped and cfg.kernel_fwd:
-    return _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos)
+    return _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks)
   spec, nsub = cfg.spec, cfg.nsub
   dtype = q.dtype
   qs = list(zip(_split(q, nsub, 1), _split(q_seg, nsub, 1), _split(q_pos, nsub, 1)))
@@ -452,7 +490,7 @@ def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
   for step in range(num):
     # Issue the transfer of the next chunk before computing on this one (overlap).
     kv_next = _shift(kv, cfg) if step < num - 1 else None
-    kc, vc, ksc, kpc = _unpack_chunk(kv)
+    kc, vc, ksc, kpc = _unpack_chunk(kv, k.shape[-1])
     chunks = list(zip(_split(kc, nsub, 1), _split(vc, nsub, 1), _split(ksc, nsub, 1),
                       _split(kpc, nsub, 1)))
     for a, (qa, qsa, qpa) in enumerate(qs):
@@ -474,8 +512,10 @@ def _forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
 
   o = jnp.concatenate(o_acc, axis=1) if nsub > 1 else o_acc[0]
   lse = jnp.concatenate(lse_acc, axis=2) if nsub > 1 else lse_acc[0]
+  o, lse = _merge_sinks(o, lse, sinks)
+  o = visibility.zero_invalid_rows(o, q_seg)  # padded rows: out exactly 0 (with sinks too)
   lse = jnp.where(visibility.row_is_valid(q_seg)[:, None, :], lse, _F32(0))  # padded rows: lse exactly 0
-  return o.astype(dtype), lse
+  return (o.astype(dtype), lse) + ((o,) if sinks is not None else ())
 
 
 def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
@@ -488,11 +528,11 @@ def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
   dq = [jnp.zeros(qa.shape, _F32) for qa, *_ in qs]  # fp32 accumulators (dq, dk, dv)
 
   kv = _pack_chunk(k, v, k_seg, k_pos)
-  dkv = None  # [2, ...] fp32 dK/dV of the chunk currently held, received from the previous device
+  dkv = None  # fp32 dK|dV (side by side on the head dim) of the chunk held, from the previous device
   num = cfg.size
   for step in range(num):
     kv_next = _shift(kv, cfg) if step < num - 1 else None
-    kc, vc, ksc, kpc = _unpack_chunk(kv)
+    kc, vc, ksc, kpc = _unpack_chunk(kv, k.shape[-1])
     chunks = list(zip(_split(kc, nsub, 1), _split(vc, nsub, 1), _split(ksc, nsub, 1),
                       _split(kpc, nsub, 1)))
     dk_parts, dv_parts = [], []
@@ -515,7 +555,7 @@ def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
       dv_parts.append(dv_b)
     dk_here = jnp.concatenate(dk_parts, axis=1) if nsub > 1 else dk_parts[0]
     dv_here = jnp.concatenate(dv_parts, axis=1) if nsub > 1 else dv_parts[0]
-    here = jnp.stack([dk_here, dv_here])
+    here = jnp.concatenate([dk_here, dv_here], axis=-1)
     dkv = here if dkv is None else dkv + here
     # The accumulator travels with its chunk; after the last step it arrives home.
     if num > 1:
@@ -523,18 +563,19 @@ def _backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):
     kv = kv_next
 
   dq = jnp.concatenate(dq, axis=1) if nsub > 1 else dq[0]
-  return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+  h = k.shape[-1]
+  return dq.astype(q.dtype), dkv[..., :h].astype(k.dtype), dkv[..., h:].astype(v.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
 # One query/key chunk pair: the GPU kernels where they express it exactly, else pure JAX
 # --------------------------------------------------------------------------------------------------
 
-def _ring_kernels(implementation, spec, query, key):
+def _ring_kernels(implementation, spec, query, key, value):
   """(forward, backward) chunk pairs may use the kernels; raises for "cute" when they cannot."""
   if implementation == "xla":
     return False, False
-  reason = _backends.kernel_unsupported_reason(spec, query, key, bias=None, mask=None)
+  reason = _backends.kernel_unsupported_reason(spec, query, key, bias=None, mask=None, value=value)
   if reason is None and spec.has_window:
     reason = ("a local window on the ring: the chunk pairs' position offsets are not expressible "
               "by the kernels")
@@ -543,7 +584,7 @@ def _ring_kernels(implementation, spec, query, key):
       raise NotImplementedError(f'ring_attention(implementation="cute") cannot run this call: '
                                 f"{reason}. Use implementation=None to fall back to pure JAX.")
     if not spec.has_window:  # warns (CUDA hosts) if only a missing or unusable library is the reason
-      _backends.note_fallback(spec, query, key, bias=None, mask=None)
+      _backends.note_fallback(spec, query, key, bias=None, mask=None, value=value)
     return False, False
   return True, cute.backward_supported(spec, query, key)
 
@@ -773,7 +814,7 @@ def _valid_prefix(seg):
   return visibility.row_is_valid(seg).sum(axis=1).astype(jnp.int32)
 
 
-def _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
+def _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, sinks):
   device = lax.axis_index(cfg.axis_name)
   q_valid = _valid_prefix(q_seg)
   held = (k, v, k_seg, k_pos)  # separate leaves: no stacking copy before the transfer
@@ -790,9 +831,10 @@ def _grouped_forward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos):
       else:
         o_acc, lse_acc = _merge(o_acc, lse_acc, o_b, lse_b)
     held = held_next
+  o_acc, lse_acc = _merge_sinks(o_acc, lse_acc, sinks)
   lse = jnp.where(visibility.row_is_valid(q_seg)[:, None, :], lse_acc, _F32(0))  # padded rows: lse exactly 0
   o = visibility.zero_invalid_rows(o_acc, q_seg)
-  return o.astype(q.dtype), lse
+  return (o.astype(q.dtype), lse) + ((o,) if sinks is not None else ())
 
 
 def _grouped_backward_local(cfg, q, k, v, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse):

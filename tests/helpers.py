@@ -77,12 +77,13 @@ def dtype_for(impl, dtype):
   return dtype
 
 
-def random_problem(rng, *, b=2, t=33, s=47, n=4, k=2, h=64, q_len=None, kv_len=None, **kw):
+def random_problem(rng, *, b=2, t=33, s=47, n=4, k=2, h=64, hv=None, q_len=None, kv_len=None, **kw):
+  """A random padded problem; ``hv``: the value head dim (default ``h``)."""
   q_len = np.asarray(q_len if q_len is not None else rng.integers(0, t + 1, size=b), np.int32)
   kv_len = np.asarray(kv_len if kv_len is not None else rng.integers(0, s + 1, size=b), np.int32)
   return oracle.Problem(
       q=rng.standard_normal((b, t, n, h)), k=rng.standard_normal((b, s, k, h)),
-      v=rng.standard_normal((b, s, k, h)), q_len=q_len, kv_len=kv_len, **kw)
+      v=rng.standard_normal((b, s, k, h if hv is None else hv)), q_len=q_len, kv_len=kv_len, **kw)
 
 
 def api_kwargs(p: oracle.Problem, impl):
@@ -97,41 +98,50 @@ def api_kwargs(p: oracle.Problem, impl):
     kw["key_value_segment_ids"] = jnp.asarray(p.kv_ids, jnp.int32)
   if p.mask is not None:
     kw["mask"] = jnp.asarray(p.mask)
+  if p.sinks is not None:
+    kw["sinks"] = jnp.asarray(p.sinks, jnp.float32)
+  if p.alibi is not None:
+    kw["alibi_slopes"] = jnp.asarray(p.alibi, jnp.float32)
   return kw
 
 
 def cotangents(p: oracle.Problem, rng):
   b, t, n, h, s, kh = p.shape
-  return rng.standard_normal((b, t, n, h)), rng.standard_normal((b, n, t))
+  return rng.standard_normal((b, t, n, p.v.shape[-1])), rng.standard_normal((b, n, t))
 
 
 def make_runner(p: oracle.Problem, impl, *, grads=True, traced_ids=False):
-  """One jitted function (compiled once, reused for every poison) giving outputs and gradients.
+  """One jitted function (compiled once, reused for every poison) giving outputs and gradients (the
+  sinks' too, ``dsinks``, when the problem has sinks).
 
   ``traced_ids``: pass the segment ids as arguments of the jitted function (as a training step
   does) instead of closing over them, so that they are traced rather than concrete."""
   kw = api_kwargs(p, impl)
   kw.pop("mask", None)  # an argument of the jitted function: run_padded poisons its padding cells
+  sinks = kw.pop("sinks", None)  # an argument too: differentiated
   ids = (kw.pop("query_segment_ids"), kw.pop("key_value_segment_ids")) if traced_ids else ()
 
-  def f(q, k, v, bias, mask, *ids):
+  def f(q, k, v, bias, sinks, mask, *ids):
     if ids:
       kw.update(query_segment_ids=ids[0], key_value_segment_ids=ids[1])
-    return jax_padsafe.dot_product_attention(q, k, v, bias, mask=mask, return_lse=True, **kw)
+    return jax_padsafe.dot_product_attention(q, k, v, bias, mask=mask, return_lse=True, sinks=sinks, **kw)
 
-  def run(q, k, v, bias, mask, do, dl, *ids):
+  def run(q, k, v, bias, mask, do, dl, sinks, *ids):
     if not grads:
-      out, lse = f(q, k, v, bias, mask, *ids)
+      out, lse = f(q, k, v, bias, sinks, mask, *ids)
       return dict(out=out, lse=lse)
-    (out, lse), vjp = jax.vjp(lambda q, k, v, bias: f(q, k, v, bias, mask, *ids), q, k, v, bias)
-    dq, dk, dv, dbias = vjp((do, dl))
+    (out, lse), vjp = jax.vjp(lambda q, k, v, bias, sinks: f(q, k, v, bias, sinks, mask, *ids),
+                              q, k, v, bias, sinks)
+    dq, dk, dv, dbias, dsinks = vjp((do, dl))
     res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     if dbias is not None:
       res["dbias"] = dbias
+    if dsinks is not None:
+      res["dsinks"] = dsinks
     return res
 
   jitted = jax.jit(run)
-  return lambda *args: jitted(*args, *ids)
+  return lambda *args: jitted(*args, sinks, *ids)
 
 
 def run_padded(p: oracle.Problem, dtype, runner, *, poison="zero", rng=None, d_out=None, d_lse=None,
@@ -161,18 +171,29 @@ def run_padded(p: oracle.Problem, dtype, runner, *, poison="zero", rng=None, d_o
   return {name: np.asarray(x) for name, x in runner(q, k, v, bias, mask, do, dl).items()}
 
 
+def empty_row_lse(sinks, shape):
+  """The lse of valid rows that see no key, broadcast to ``shape`` (heads on axis -2): -inf, or with
+  sinks the row's sink, exactly."""
+  if sinks is None:
+    return np.full(shape, -np.inf, np.float32)
+  return np.broadcast_to(np.asarray(sinks, np.float32)[:, None], shape)
+
+
 def assert_contract_zeros(p: oracle.Problem, ours, ref):
-  """Padded rows and never-seen keys hold exact zeros; lse is 0 / -inf where the contract says."""
+  """Padded rows and never-seen keys hold exact zeros; lse is 0 / -inf (the sink) where the contract
+  says."""
   qv, kv = p.q_valid(), p.k_valid()
   assert np.all(ours["out"][~qv] == 0), "padded output rows must be exactly 0"
   assert np.all(ours["lse"].transpose(0, 2, 1)[~qv] == 0), "padded lse rows must be exactly 0"
   empty = ref["empty"]                               # [B, N, T] valid rows with no visible key
-  assert np.all(np.isneginf(ours["lse"][empty])), "valid rows with no visible key need lse = -inf"
-  out_rows = ours["out"].transpose(0, 2, 1, 3)       # [B, N, T, H]
+  want = empty_row_lse(p.sinks, ours["lse"].shape)
+  assert np.array_equal(ours["lse"][empty], want[empty]), \
+      "valid rows with no visible key need lse = -inf (= the sink with sinks)"
+  out_rows = ours["out"].transpose(0, 2, 1, 3)       # [B, N, T, Hv]
   assert np.all(out_rows[empty] == 0), "valid rows with no visible key need output exactly 0"
   finite_lse = np.where(empty, 0.0, ours["lse"])
   assert np.all(np.isfinite(finite_lse)), "lse may be non-finite only for valid empty rows"
-  for name in ("out", "dq", "dk", "dv", "dbias"):
+  for name in ("out", "dq", "dk", "dv", "dbias", "dsinks"):
     if name in ours:
       assert np.all(np.isfinite(ours[name])), f"{name} holds NaN/Inf"
   if "dq" in ours:
@@ -208,7 +229,7 @@ def check_problem(p: oracle.Problem, dtype, impl, *, poisons=POISONS, seed=0, gr
   base = run(poison="zero")
   ref, naive = oracle.expected(p, dtype, d_out, d_lse) if grads else oracle.expected(p, dtype)
   names = ["out", "lse"] + (["dq", "dk", "dv"] + (["dbias"] if p.bias is not None else [])
-                           if grads else [])
+                           + (["dsinks"] if p.sinks is not None else []) if grads else [])
   oracle.assert_close(base, ref, naive, dtype, names, out_dtypes={"dbias": bias_dtype})
   assert_contract_zeros(p, base, ref)
   for poison in poisons:
@@ -228,10 +249,11 @@ def check_problem(p: oracle.Problem, dtype, impl, *, poisons=POISONS, seed=0, gr
 # --------------------------------------------------------------------------------------------------
 
 def build_packed(rng, caps_q, used_q, caps_k, used_k, *, tail_q=3, tail_k=5, lead_q=0, lead_k=0, n=4, k=2,
-                 h=64, **kw):
+                 h=64, hv=None, **kw):
   """A random packed problem: sequence b has a slot of ``caps[b]`` rows of which the first ``used[b]`` are
   valid, the slots back to back after ``lead`` unused rows, then ``tail`` rows past ``cu_seqlens[-1]``.
-  ``kw``: the masks (``causal``, ``window``, ``softcap``, ``scale``, ``bottom_right``).
+  ``kw``: the masks (``causal``, ``window``, ``softcap``, ``scale``, ``bottom_right``), ``sinks`` and
+  ``alibi``; ``hv``: the value head dim (default ``h``).
 
   Returns a dict: ``q``, ``k``, ``v``, ``cu_q``, ``cu_k``, ``used_q``, ``used_k``, ``valid_q``, ``valid_k``,
   ``packed`` (the :class:`oracle.PackedProblem`) and ``problem`` (the same sequences as a padded
@@ -244,7 +266,8 @@ def build_packed(rng, caps_q, used_q, caps_k, used_k, *, tail_q=3, tail_k=5, lea
   total_q, total_k = int(cu_q[-1]) + tail_q, int(cu_k[-1]) + tail_k
   packed = oracle.PackedProblem(
       q=rng.standard_normal((total_q, n, h)), k=rng.standard_normal((total_k, k, h)),
-      v=rng.standard_normal((total_k, k, h)), cu_q=cu_q, cu_k=cu_k, used_q=used_q.astype(np.int32),
+      v=rng.standard_normal((total_k, k, h if hv is None else hv)), cu_q=cu_q, cu_k=cu_k,
+      used_q=used_q.astype(np.int32),
       used_k=used_k.astype(np.int32), **kw)
   return dict(q=packed.q, k=packed.k, v=packed.v, cu_q=cu_q, cu_k=cu_k, used_q=packed.used_q,
               used_k=packed.used_k, valid_q=packed.q_valid(), valid_k=packed.k_valid(), packed=packed,
@@ -271,6 +294,8 @@ def packed_kwargs(d, impl, **kw):
   else:
     bounds = dict(max_seqlen_q=max(1, int(np.max(np.diff(d["cu_q"]), initial=0))),
                   max_seqlen_k=max(1, int(np.max(np.diff(d["cu_k"]), initial=0))))
+  if p.alibi is not None:
+    kw["alibi_slopes"] = jnp.asarray(p.alibi, jnp.float32)
   return dict(seqused_q=jnp.asarray(d["used_q"], jnp.int32), seqused_k=jnp.asarray(d["used_k"], jnp.int32),
               is_causal=p.causal, softcap=p.softcap, scale=p.scale,
               causal_alignment="bottom_right" if p.bottom_right else "top_left",
@@ -279,24 +304,28 @@ def packed_kwargs(d, impl, **kw):
 
 
 def make_packed_runner(d, impl, *, grads=True, **kw):
-  """One jitted ``(q, k, v, do, dl) -> dict(out, lse[, dq, dk, dv])`` through ``varlen_attention``.  With
-  ``d["bound"]`` the offsets are arguments of the jitted function (traced, as in a training step), so that a
-  bound below the longest slot is legal: rows past it are padding."""
+  """One jitted ``(q, k, v, do, dl) -> dict(out, lse[, dq, dk, dv[, dsinks]])`` through ``varlen_attention``
+  (the sinks, when the problem has them, differentiated).  With ``d["bound"]`` the offsets are arguments of
+  the jitted function (traced, as in a training step), so that a bound below the longest slot is legal: rows
+  past it are padding."""
   args = packed_kwargs(d, impl, return_lse=True, **kw)
   cu = (jnp.asarray(d["cu_q"]), jnp.asarray(d["cu_k"]))
   traced = d.get("bound") is not None
-  names = ("out", "lse", "dq", "dk", "dv") if grads else ("out", "lse")
+  sinks = d["packed"].sinks
+  sinks = () if sinks is None else (jnp.asarray(sinks, jnp.float32),)
+  names = ("out", "lse", "dq", "dk", "dv") + (("dsinks",) if sinks else ()) if grads else ("out", "lse")
 
   @jax.jit
-  def f(q, k, v, do, dl, *offsets):
+  def f(q, k, v, do, dl, sinks, *offsets):
     cu_q, cu_k = offsets if traced else cu
-    attention = lambda q, k, v: jax_padsafe.varlen_attention(q, k, v, cu_q, cu_k, **args)  # noqa: E731
+    def attention(q, k, v, *sinks):
+      return jax_padsafe.varlen_attention(q, k, v, cu_q, cu_k, **args, sinks=sinks[0] if sinks else None)
     if not grads:
-      return attention(q, k, v)
-    (o, lse), vjp = jax.vjp(attention, q, k, v)
+      return attention(q, k, v, *sinks)
+    (o, lse), vjp = jax.vjp(attention, q, k, v, *sinks)
     return (o, lse) + vjp((do, dl))
 
-  return lambda *a: dict(zip(names, f(*a, *(cu if traced else ()))))
+  return lambda *a: dict(zip(names, f(*a, sinks, *(cu if traced else ()))))
 
 
 def run_packed(d, dtype, runner, poison, rng, d_out, d_lse):
@@ -318,8 +347,11 @@ def assert_packed_zeros(d, ours, ref):
   assert np.all(ours["lse"][:, ~vq] == 0), "padded lse rows must be exactly 0"
   empty = ref["empty"].T                              # [total_q, N]
   assert np.all(ours["out"][empty] == 0), "valid rows with no visible key need output exactly 0"
+  want = empty_row_lse(d["packed"].sinks, ours["lse"].shape)
+  assert np.array_equal(ours["lse"][empty.T], want[empty.T]), \
+      "valid rows with no visible key need lse = -inf (= the sink with sinks)"
   assert np.all(np.isfinite(np.where(empty.T, 0.0, ours["lse"]))), "lse may be -inf only for valid empty rows"
-  for name in ("out", "dq", "dk", "dv"):
+  for name in ("out", "dq", "dk", "dv", "dsinks"):
     if name in ours:
       assert np.all(np.isfinite(ours[name])), f"{name} holds NaN/Inf"
   if "dq" in ours:
@@ -335,8 +367,8 @@ def check_packed(d, dtype, impl, rng, *, poisons=POISONS, grads=True, dirty=Fals
   exact zeros in the lead, gaps and tail, bitwise invariance under every poison value (and with
   ``dirty`` on dirty memory, as :func:`check_problem`).  Returns ``(results, ref64)``."""
   total_q = len(d["valid_q"])
-  n, h = d["q"].shape[1:]
-  d_out = rng.standard_normal((total_q, n, h))
+  n, hv = d["q"].shape[1], d["v"].shape[-1]
+  d_out = rng.standard_normal((total_q, n, hv))
   d_lse = rng.standard_normal((n, total_q))
   runner = make_packed_runner(d, impl, grads=grads)
   base = run_packed(d, dtype, runner, "zero", rng, d_out, d_lse)

@@ -8,7 +8,11 @@ and independently of the library (it imports nothing from ``jax_padsafe``):
   which rows are valid and which keys each query sees (:meth:`Problem.visible`: the contract's
   visibility rule, written once for the tests).
 * :func:`reference` / :func:`reference_packed`: forward and gradients of the loss
-  ``sum(out * d_out) + sum(lse * d_lse)`` from the textbook formulas on the valid data only. Every
+  ``sum(out * d_out) + sum(lse * d_lse)`` from the textbook formulas on the valid data only, with the
+  contract's additions: per-head sinks (``exp(sink_h)`` in every valid row's denominator, a key with a
+  zero value, so that a valid row without keys has out 0 and lse = sink), ALiBi slopes (the score
+  bias ``-slope * |i + off - j|``, added after the softcap like ``bias``) and a value head dim ``Hv``
+  of its own. Every
   input is first copied into a fresh zero array through the validity masks, so poisoned padding
   cannot reach the oracle.  With ``lowp=dtype`` the same formulas give the *naive* attention of the
   accuracy rule: float32 arithmetic (float32 accumulation in every matrix product) with the results
@@ -44,7 +48,7 @@ class Problem:
   """A padded-layout problem in NumPy."""
   q: np.ndarray            # [B, T, N, H]
   k: np.ndarray            # [B, S, K, H]
-  v: np.ndarray            # [B, S, K, H]
+  v: np.ndarray            # [B, S, K, Hv]
   q_len: np.ndarray        # [B]
   kv_len: np.ndarray       # [B]
   q_ids: np.ndarray | None = None   # [B, T]
@@ -56,6 +60,8 @@ class Problem:
   softcap: float | None = None
   scale: float | None = None
   bottom_right: bool = False
+  sinks: np.ndarray | None = None   # [N] sink logits
+  alibi: np.ndarray | None = None   # [N] or [B, N] ALiBi slopes
 
   @property
   def shape(self):
@@ -63,10 +69,27 @@ class Problem:
     return b, t, n, h, self.k.shape[1], self.k.shape[2]
 
   def rounded(self, dtype):
-    """The problem as an implementation sees it: q, k, v rounded to ``dtype``, a bias to float32."""
-    bias = None if self.bias is None else round_to(self.bias, np.float32)
+    """The problem as an implementation sees it: q, k, v rounded to ``dtype``; a bias, sinks and
+    slopes to float32."""
+    f32 = lambda x: None if x is None else round_to(x, np.float32)  # noqa: E731
     return dataclasses.replace(self, q=round_to(self.q, dtype), k=round_to(self.k, dtype),
-                               v=round_to(self.v, dtype), bias=bias)
+                               v=round_to(self.v, dtype), bias=f32(self.bias), sinks=f32(self.sinks),
+                               alibi=f32(self.alibi))
+
+  def offsets(self):
+    """``[B]``: the offset ``off`` of query positions (``kv_len - q_len`` for bottom-right alignment)."""
+    q_len, kv_len = np.asarray(self.q_len), np.asarray(self.kv_len)
+    return (kv_len - q_len) if self.bottom_right else np.zeros_like(q_len)
+
+  def alibi_bias(self):
+    """``[B, N, T, S]`` float64: the ALiBi score bias ``-slope * |i + off - j|`` (None without slopes)."""
+    if self.alibi is None:
+      return None
+    b, t, n, h, s, kh = self.shape
+    slopes = np.broadcast_to(np.asarray(self.alibi, np.float64).reshape(-1, n), (b, n))
+    i = np.arange(t)[None, :, None] + self.offsets()[:, None, None]
+    dist = np.abs(i - np.arange(s)[None, None, :])
+    return -slopes[:, :, None, None] * dist[:, None]
 
   def q_valid(self):
     b, t = self.q.shape[:2]
@@ -89,9 +112,7 @@ class Problem:
     vis = qv[:, :, None] & kv[:, None, :]
     if self.q_ids is not None:
       vis &= self.q_ids[:, :, None] == self.kv_ids[:, None, :]
-    q_len, kv_len = np.asarray(self.q_len), np.asarray(self.kv_len)
-    off = (kv_len - q_len) if self.bottom_right else np.zeros_like(q_len)
-    i = np.arange(t)[None, :, None] + off[:, None, None]
+    i = np.arange(t)[None, :, None] + self.offsets()[:, None, None]
     j = np.arange(s)[None, None, :]
     if self.causal:
       vis &= j <= i
@@ -115,9 +136,10 @@ def _clean(x, valid):
   return out
 
 
-def _rows(p: Problem, b, vis, q, k, v, bias, do, dl, lowp):
-  """Forward (and, with ``do``, backward) of batch row ``b``, heads first: q/do [N, T, H], k/v [K, S, H],
-  vis [N, T, S], dl [N, T]; float64, or float32 rounded to ``lowp`` as a plain attention in it."""
+def _rows(p: Problem, b, vis, q, k, v, bias, do, dl, lowp, sink=None):
+  """Forward (and, with ``do``, backward) of batch row ``b``, heads first: q [N, T, H], k [K, S, H],
+  v [K, S, Hv], do [N, T, Hv], vis [N, T, S], dl [N, T], sink [N] or None; float64, or float32 rounded
+  to ``lowp`` as a plain attention in it.  ``bias`` holds every additive score term (bias and ALiBi)."""
   ft = np.float64 if lowp is None else np.float32
   rnd = (lambda x: x) if lowp is None else (lambda x: round_to(x, lowp).astype(ft))
   n, t, h = q.shape
@@ -133,11 +155,17 @@ def _rows(p: Problem, b, vis, q, k, v, bias, do, dl, lowp):
     s = ft(p.softcap) * th
   if bias is not None:
     s = s + np.where(vis, bias, 0.0).astype(ft)
-  has = vis.any(-1)
-  mx = np.where(has, np.where(vis, s, -np.inf).max(-1, initial=-np.inf), 0.0).astype(ft)
+  # A row has a softmax iff it sees a key or has a sink (a logit of its own, with a zero value).
+  mx = np.where(vis, s, -np.inf).max(-1, initial=-np.inf)
+  sk = None if sink is None else np.asarray(sink, ft)[:, None]      # [N, 1]
+  if sk is not None:
+    mx = np.maximum(mx, sk)
+  has = mx != -np.inf
+  mx = np.where(has, mx, 0.0).astype(ft)
   with np.errstate(over="ignore"):  # hidden entries may overflow; the select drops them
     e = np.where(vis, np.exp(np.where(vis, s, 0.0) - mx[..., None]), 0.0).astype(ft)
-  l = np.where(has, e.sum(-1), 1.0).astype(ft)
+    e_sink = 0.0 if sk is None else np.where(has, np.exp(np.where(has, sk, 0.0) - mx), 0.0).astype(ft)
+  l = np.where(has, e.sum(-1) + e_sink, 1.0).astype(ft)
   prob = e / l[..., None]
   prob_lp = rnd(prob)
   out = rnd(np.matmul(prob_lp, v))
@@ -151,6 +179,8 @@ def _rows(p: Problem, b, vis, q, k, v, bias, do, dl, lowp):
   delta = np.where(has, (prob * dp).sum(-1) - dl, 0.0).astype(ft)
   ds = np.where(vis, prob * (dp - delta[..., None]), 0.0).astype(ft)
   res["ds_logits"] = ds
+  if sk is not None:  # d lse / d sink = P_sink, d out / d sink = -P_sink * out: dsink = -P_sink * Delta
+    res["dsink_rows"] = -(e_sink / l) * delta
   if th is not None:
     ds = ds * (1 - th * th)
   ds = rnd(ds * ft(scale))
@@ -161,26 +191,33 @@ def _rows(p: Problem, b, vis, q, k, v, bias, do, dl, lowp):
 
 
 def reference(p: Problem, d_out=None, d_lse=None, *, lowp=None):
-  """``dict(out, lse, visible, empty, seen[, dq, dk, dv, dbias])`` of ``p``, float64 arrays.
+  """``dict(out, lse, visible, empty, seen[, dq, dk, dv, dbias, dsinks])`` of ``p``, float64 arrays.
 
-  ``out``/``dq`` [B, T, N, H], ``lse`` [B, N, T], ``dk``/``dv`` [B, S, K, H], ``dbias`` the bias' shape.
-  Padded rows are exactly 0 (lse too); valid rows that see no key have out 0, lse -inf, dq 0.
+  ``out`` [B, T, N, Hv], ``dq`` [B, T, N, H], ``lse`` [B, N, T], ``dk`` [B, S, K, H], ``dv`` [B, S, K, Hv],
+  ``dbias`` the bias' shape, ``dsinks`` [N] (None without sinks).  Padded rows are exactly 0 (lse too);
+  valid rows that see no key have out 0, lse -inf (the sink with sinks), dq 0.
   ``empty`` [B, N, T]: valid rows with no visible key; ``seen`` [B, S, K]: keys some valid query sees.
   ``lowp``: the naive attention in that dtype instead of float64 (see the module docstring)."""
   b, t, n, h, s, kh = p.shape
+  hv = p.v.shape[-1]
   qv, kv = p.q_valid(), p.k_valid()
   q, k, v = _clean(p.q, qv), _clean(p.k, kv), _clean(p.v, kv)
   vis = p.visible()
+  sinks = None if p.sinks is None else np.asarray(p.sinks, np.float64)
   grads = d_out is not None
   if grads:
     do = _clean(d_out, qv)
     dl = np.zeros((b, n, t)) if d_lse is None else np.where(qv[:, None, :], np.asarray(d_lse, np.float64), 0.0)
   bias = None if p.bias is None else np.broadcast_to(np.asarray(p.bias, np.float64), (b, n, t, s))
-  out = np.zeros((b, t, n, h))
+  alibi = p.alibi_bias()
+  if alibi is not None:
+    bias = alibi if bias is None else bias + alibi
+  out = np.zeros((b, t, n, hv))
   lse = np.zeros((b, n, t))
   if grads:
-    dq, dk, dv = np.zeros((b, t, n, h)), np.zeros((b, s, kh, h)), np.zeros((b, s, kh, h))
+    dq, dk, dv = np.zeros((b, t, n, h)), np.zeros((b, s, kh, h)), np.zeros((b, s, kh, hv))
     ds_logits = np.zeros((b, n, t, s))
+    dsinks = None if sinks is None else np.zeros(n)
   heads = lambda x: x.transpose(1, 0, 2)  # noqa: E731  [rows, heads, H] <-> [heads, rows, H]
   for r in range(b):
     # Rows and keys at or past the lengths are padding: the row's work is its valid rectangle only.
@@ -190,12 +227,14 @@ def reference(p: Problem, d_out=None, d_lse=None, *, lowp=None):
     qs, ks = slice(0, tq), slice(0, ts)
     res = _rows(p, r, vis[r][:, qs, ks], heads(q[r, qs]), heads(k[r, ks]), heads(v[r, ks]),
                 None if bias is None else bias[r][:, qs, ks], heads(do[r, qs]) if grads else None,
-                dl[r][:, qs] if grads else None, lowp)
+                dl[r][:, qs] if grads else None, lowp, sinks)
     out[r, qs] = heads(res["out"])
     lse[r][:, qs] = np.where(qv[r][None, qs], res["lse"], 0.0)
     if grads:
       dq[r, qs], dk[r, ks], dv[r, ks] = heads(res["dq"]), heads(res["dk"]), heads(res["dv"])
       ds_logits[r][:, qs, ks] = res["ds_logits"]
+      if sinks is not None:  # valid rows only: a row with a negative segment id is padding
+        dsinks += np.where(qv[r][None, qs], res["dsink_rows"], 0.0).sum(-1)
   empty = qv[:, None, :] & ~vis.any(-1)
   seen = vis.reshape(b, kh, n // kh, t, s).any(axis=(2, 3)).transpose(0, 2, 1)
   result = dict(out=out, lse=lse, visible=vis, empty=empty, seen=seen)
@@ -208,7 +247,9 @@ def reference(p: Problem, d_out=None, d_lse=None, *, lowp=None):
           dbias = dbias.sum(axis=axis, keepdims=True)
       if lowp is not None:  # the naive attention's dbias is float32 (summed over broadcast dims in float32)
         dbias = round_to(dbias, np.float32)
-    result.update(dq=dq, dk=dk, dv=dv, dbias=dbias)
+    if dsinks is not None and lowp is not None:
+      dsinks = round_to(dsinks, np.float32)
+    result.update(dq=dq, dk=dk, dv=dv, dbias=dbias, dsinks=dsinks)
   return result
 
 
@@ -219,7 +260,7 @@ class PackedProblem:
   ``cu[-1]``) is padding."""
   q: np.ndarray            # [total_q, N, H]
   k: np.ndarray            # [total_k, K, H]
-  v: np.ndarray            # [total_k, K, H]
+  v: np.ndarray            # [total_k, K, Hv]
   cu_q: np.ndarray         # [B + 1]
   cu_k: np.ndarray         # [B + 1]
   used_q: np.ndarray       # [B]
@@ -229,10 +270,19 @@ class PackedProblem:
   softcap: float | None = None
   scale: float | None = None
   bottom_right: bool = False
+  sinks: np.ndarray | None = None   # [N]
+  alibi: np.ndarray | None = None   # [N] or [B, N] (one row of slopes per sequence)
 
   def rounded(self, dtype):
+    f32 = lambda x: None if x is None else round_to(x, np.float32)  # noqa: E731
     return dataclasses.replace(self, q=round_to(self.q, dtype), k=round_to(self.k, dtype),
-                               v=round_to(self.v, dtype))
+                               v=round_to(self.v, dtype), sinks=f32(self.sinks), alibi=f32(self.alibi))
+
+  def _alibi_of(self, b):
+    if self.alibi is None:
+      return None
+    alibi = np.asarray(self.alibi)
+    return alibi if alibi.ndim == 1 else alibi[b]
 
   def _valid(self, cu, used, total):
     valid = np.zeros(total, bool)
@@ -258,34 +308,40 @@ class PackedProblem:
     return Problem(q=self.q[qs][None], k=self.k[ks][None], v=self.v[ks][None],
                    q_len=np.array([qs.stop - qs.start]), kv_len=np.array([ks.stop - ks.start]),
                    causal=self.causal, window=self.window, softcap=self.softcap, scale=self.scale,
-                   bottom_right=self.bottom_right)
+                   bottom_right=self.bottom_right, sinks=self.sinks, alibi=self._alibi_of(b))
 
   def padded(self) -> Problem:
     """All sequences as one padded problem (batch row b = sequence b, padded to the longest)."""
     nseq = len(self.used_q)
     t, s = max(1, int(np.max(self.used_q, initial=0))), max(1, int(np.max(self.used_k, initial=0)))
     n, h = self.q.shape[1:]
-    kh = self.k.shape[1]
-    q, k, v = np.zeros((nseq, t, n, h)), np.zeros((nseq, s, kh, h)), np.zeros((nseq, s, kh, h))
+    kh, hv = self.k.shape[1], self.v.shape[-1]
+    q, k, v = np.zeros((nseq, t, n, h)), np.zeros((nseq, s, kh, h)), np.zeros((nseq, s, kh, hv))
     for b in range(nseq):
       qs, ks = self.q_rows(b), self.k_rows(b)
       q[b, :qs.stop - qs.start] = self.q[qs]
       k[b, :ks.stop - ks.start] = self.k[ks]
       v[b, :ks.stop - ks.start] = self.v[ks]
+    alibi = None
+    if self.alibi is not None:
+      alibi = np.broadcast_to(np.asarray(self.alibi).reshape(-1, n), (nseq, n))
     return Problem(q=q, k=k, v=v, q_len=np.asarray(self.used_q), kv_len=np.asarray(self.used_k),
                    causal=self.causal, window=self.window, softcap=self.softcap, scale=self.scale,
-                   bottom_right=self.bottom_right)
+                   bottom_right=self.bottom_right, sinks=self.sinks, alibi=alibi)
 
 
 def reference_packed(pp: PackedProblem, d_out=None, d_lse=None, *, lowp=None):
-  """:func:`reference` in the packed layout, one sequence at a time: ``out``/``dq`` [total_q, N, H],
-  ``lse``/``empty`` [N, total_q], ``dk``/``dv`` [total_k, K, H], ``seen`` [total_k, K]."""
+  """:func:`reference` in the packed layout, one sequence at a time: ``out`` [total_q, N, Hv], ``dq``
+  [total_q, N, H], ``lse``/``empty`` [N, total_q], ``dk`` [total_k, K, H], ``dv`` [total_k, K, Hv], ``seen``
+  [total_k, K], ``dsinks`` [N] (summed over the sequences; None without sinks)."""
   total_q, n, h = pp.q.shape
   total_k, kh = pp.k.shape[:2]
-  res = dict(out=np.zeros((total_q, n, h)), lse=np.zeros((n, total_q)), empty=np.zeros((n, total_q), bool),
+  hv = pp.v.shape[-1]
+  res = dict(out=np.zeros((total_q, n, hv)), lse=np.zeros((n, total_q)), empty=np.zeros((n, total_q), bool),
              seen=np.zeros((total_k, kh), bool))
   if d_out is not None:
-    res.update(dq=np.zeros((total_q, n, h)), dk=np.zeros((total_k, kh, h)), dv=np.zeros((total_k, kh, h)))
+    res.update(dq=np.zeros((total_q, n, h)), dk=np.zeros((total_k, kh, h)), dv=np.zeros((total_k, kh, hv)),
+               dsinks=None if pp.sinks is None else np.zeros(n))
   for b in range(len(pp.used_q)):
     qs, ks = pp.q_rows(b), pp.k_rows(b)
     if qs.stop == qs.start:
@@ -297,6 +353,10 @@ def reference_packed(pp: PackedProblem, d_out=None, d_lse=None, *, lowp=None):
     res["seen"][ks] = r["seen"][0]
     if d_out is not None:
       res["dq"][qs], res["dk"][ks], res["dv"][ks] = r["dq"][0], r["dk"][0], r["dv"][0]
+      if pp.sinks is not None:
+        res["dsinks"] += r["dsinks"]
+  if lowp is not None and res.get("dsinks") is not None:
+    res["dsinks"] = round_to(res["dsinks"], np.float32)
   return res
 
 
@@ -312,7 +372,7 @@ def expected(p, dtype, d_out=None, d_lse=None):
 
 
 # The dtype each result is returned in, where it is not the input dtype.
-_FLOAT32_RESULTS = ("lse", "dbias")
+_FLOAT32_RESULTS = ("lse", "dbias", "dsinks")
 
 
 def assert_close(ours, ref, naive, dtype, names, accumulated=1024, out_dtypes=None):

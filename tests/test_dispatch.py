@@ -179,6 +179,44 @@ def test_unsupported_falls_back_or_raises(kernels_built, case):
              q, k, v)
 
 
+@pytest.mark.parametrize("feature", ["sinks", "alibi", "value_head_dim"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_features_reach_the_kernels(kernels_built, feature, layout):
+  """Sinks (every layout) and a value head dim of its own (run at the next compiled width) reach the plain
+  kernels forward and backward; ALiBi slopes the aux kernels on the padded layout, and the pure-JAX path on
+  the packed one (implementation="cute" raises there, naming the layout)."""
+  q, k, v = _qkv()
+  kw = {}
+  if feature == "sinks":
+    kw["sinks"] = jnp.zeros((8,), jnp.float32)
+  if feature == "alibi":
+    kw["alibi_slopes"] = jnp.ones((8,), jnp.float32)
+  if feature == "value_head_dim":  # (192, 128), DeepSeek's MLA
+    q, k, _ = _qkv(h=192)
+    v = jax.ShapeDtypeStruct(k.shape[:-1] + (128,), k.dtype)
+
+  def call(impl):
+    if layout == "padded":
+      return lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, implementation=impl, **kw)
+    cu = jnp.array([0, 10, 16], jnp.int32)
+    cuk = jnp.array([0, 20, 24], jnp.int32)
+    return lambda q, k, v: jax_padsafe.varlen_attention(q[0], k[0], v[0], cu, cuk, implementation=impl, **kw)
+
+  loss = lambda q, k, v: jnp.sum(call(None)(q, k, v).astype(jnp.float32))  # noqa: E731
+  targets = _targets(_lowered(jax.grad(loss, (0, 1, 2)), q, k, v))
+  if feature == "alibi" and layout == "packed":
+    assert not targets
+    with pytest.raises(NotImplementedError, match="padded layout with lengths"):
+      _lowered(call("cute"), q, k, v)
+    return
+  want = [AUX_TARGET, "jax_padsafe_bwd_aux"] if feature == "alibi" else [TARGET, "jax_padsafe_bwd"]
+  assert targets == want
+  if feature == "value_head_dim":
+    text = _lowered(jax.grad(loss, (0, 1, 2)), q, k, v)
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @jax_padsafe" in line]
+    assert all("x128xbf16>" not in line for line in calls), calls  # V runs at 192, zero-padded
+
+
 @pytest.mark.parametrize("case", ["causal_padding_mask", "bias_f32", "bias_bf16_per_head", "mask_and_bias"])
 def test_mask_and_bias_lower_to_the_aux_kernels(kernels_built, case):
   """Masks and biases of the padded layout go to the aux targets, forward and backward; dbias comes from
@@ -342,6 +380,13 @@ def test_ring_chunk_pairs_lower_to_kernels(kernels_built, causal):
   with pytest.raises(NotImplementedError, match="window"):
     _lowered(lambda q, k, v: sharding.ring_attention(
         q, k, v, mesh=mesh, axis_name="seq", local_window_size=4, implementation="cute"), x, x, x)
+  # Sinks join after the ring: the chunk pairs still run on the kernels.
+  sinks = jnp.zeros((4,), jnp.float32)
+  text = _lowered(jax.grad(lambda q, k, v, sinks: jnp.sum(sharding.ring_attention(
+      q, k, v, mesh=mesh, axis_name="seq", is_causal=causal, query_seq_lengths=lens,
+      key_value_seq_lengths=lens, layout="zigzag" if causal else "contiguous", sinks=sinks,
+      implementation="cute").astype(jnp.float32)), (0, 1, 2, 3)), x, x, x, sinks)
+  assert text.count(f"@{TARGET}") == calls and text.count("@jax_padsafe_bwd") == calls
 
 
 def test_max_segments_bounds_the_kernel_runs(kernels_built):

@@ -317,3 +317,98 @@ def test_apply_rope_rotates_pairs():
 
 
 
+
+
+# ---------------------------------------------------------------------------- sinks, ALiBi, Hv --
+
+def test_nnx_sinks_parameter(nnx_mod):
+  """use_sinks adds a learnable ``sinks [num_heads]`` (zeros by default) after Flax's parameters: the
+  others stay those of one seed; sinks of -inf give the layer without sinks; finite sinks give
+  dot_product_attention(sinks=...) on the projections; the sinks get a gradient; NaN padding changes
+  nothing; decoding with the cache uses them too."""
+  nnx, pn = nnx_mod
+  x = _inputs()
+  plain = pn.MultiHeadAttention(HEADS, F, num_kv_heads=2, is_causal=True, rngs=nnx.Rngs(0))
+  layer = pn.MultiHeadAttention(HEADS, F, num_kv_heads=2, is_causal=True, use_sinks=True, rngs=nnx.Rngs(0))
+  np.testing.assert_array_equal(layer.sinks[...], np.zeros(HEADS, np.float32))
+  for name in ("query", "key", "value", "out"):
+    _assert_tree_finite_equal(nnx.state(getattr(plain, name)), nnx.state(getattr(layer, name)))
+  layer.sinks[...] = jnp.full((HEADS,), -jnp.inf)
+  np.testing.assert_array_equal(layer(x, query_seq_lengths=LENS), plain(x, query_seq_lengths=LENS))
+
+  sinks = jnp.asarray([0.5, -1.0, 2.0, 1.0], jnp.float32)
+  layer.sinks[...] = sinks
+  q, k, v = layer.query(x), layer.key(x), layer.value(x)
+  attn = jax_padsafe_attention(q, k, v, is_causal=True, sinks=sinks, query_seq_lengths=LENS,
+                               key_value_seq_lengths=LENS)
+  want = jnp.where((jnp.arange(T)[None, :] < LENS[:, None])[..., None], layer.out(attn), 0.0)
+  np.testing.assert_allclose(layer(x, query_seq_lengths=LENS), want, **TOL)
+  assert not np.allclose(layer(x), plain(x), atol=1e-3), "finite sinks must change the output"
+
+  def loss(layer, x):
+    out = layer(x, query_seq_lengths=LENS)
+    return jnp.sum(out ** 2), out
+
+  grad = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
+  (_, clean), g_clean = grad(layer, _zero_pad(x, LENS))
+  (_, dirty), g_dirty = grad(layer, _poison(x, LENS))
+  _check_padded_output(clean, dirty, LENS)
+  _assert_tree_finite_equal(nnx.state(g_clean), nnx.state(g_dirty))
+  assert np.all(np.asarray(g_clean.sinks[...]) != 0)
+
+  full = layer(x)  # causal over the whole sequence: what decoding token by token must give
+  layer.init_cache((B, T, F))
+  step = nnx.jit(lambda layer, tok: layer(tok, decode=True))
+  for i in range(3):
+    np.testing.assert_allclose(step(layer, x[:, i:i + 1])[:, 0], full[:, i], **TOL)
+
+
+def jax_padsafe_attention(*args, **kw):
+  import jax_padsafe  # pylint: disable=g-import-not-at-top
+  return jax_padsafe.dot_product_attention(*args, **kw)
+
+
+def test_nnx_alibi_slopes_per_batch_element(nnx_mod):
+  """alibi_slopes of shape [batch..., heads] reach every batch element with its own slopes."""
+  nnx, pn = nnx_mod
+  x = _inputs()
+  layer = pn.MultiHeadAttention(HEADS, F, is_causal=True, rngs=nnx.Rngs(0))
+  slopes = jnp.asarray([[0.5, 0.25, 0.125, 0.0625], [1.0, 0.0, 2.0, 0.3]], jnp.float32)
+  both = layer(x, alibi_slopes=slopes)
+  for b in range(B):
+    np.testing.assert_allclose(both[b:b + 1], layer(x[b:b + 1], alibi_slopes=slopes[b]), **TOL)
+  assert not np.allclose(both, layer(x), atol=1e-3)
+
+
+def test_linen_sinks_parameter(linen):
+  nn, pl = linen
+  x = _inputs()
+  plain = pl.MultiHeadAttention(num_heads=HEADS, is_causal=True)
+  layer = pl.MultiHeadAttention(num_heads=HEADS, is_causal=True, use_sinks=True)
+  params = layer.init(jax.random.key(0), x)
+  assert params["params"]["sinks"].shape == (HEADS,)
+  no_sinks = {"params": {n: p for n, p in params["params"].items() if n != "sinks"}}
+  off = {"params": dict(params["params"], sinks=jnp.full((HEADS,), -jnp.inf))}
+  np.testing.assert_array_equal(layer.apply(off, x, query_seq_lengths=LENS),
+                                plain.apply(no_sinks, x, query_seq_lengths=LENS))
+  g = jax.grad(lambda p: jnp.sum(layer.apply(p, x, query_seq_lengths=LENS) ** 2))(params)
+  assert np.all(np.isfinite(g["params"]["sinks"])) and np.any(g["params"]["sinks"] != 0)
+
+
+def test_equinox_sinks_alibi_and_value_size(eqx_mod):
+  """The Equinox layer with vo_size != qk_size (a value head dim of its own), sinks and ALiBi slopes
+  per call: the same as dot_product_attention on its projections; the sinks get a gradient."""
+  eqx, pe = eqx_mod
+  x = _inputs()
+  layer = pe.MultiheadAttention(HEADS, F, qk_size=4, vo_size=12, is_causal=True, key=jax.random.key(3))
+  sinks = jnp.asarray([0.1, 1.0, -0.5, 2.0], jnp.float32)
+  slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
+  got = jax.vmap(lambda x: layer(x, x, x, sinks=sinks, alibi_slopes=slopes))(x)
+  q = jax.vmap(jax.vmap(layer.query_proj))(x).reshape(B, T, HEADS, 4)
+  k = jax.vmap(jax.vmap(layer.key_proj))(x).reshape(B, T, HEADS, 4)
+  v = jax.vmap(jax.vmap(layer.value_proj))(x).reshape(B, T, HEADS, 12)
+  attn = jax_padsafe_attention(q, k, v, is_causal=True, sinks=sinks, alibi_slopes=slopes)
+  want = jax.vmap(jax.vmap(layer.output_proj))(attn.reshape(B, T, HEADS * 12))
+  np.testing.assert_allclose(got, want, **TOL)
+  g = jax.grad(lambda s: jnp.sum(jax.vmap(lambda x: layer(x, x, x, sinks=s))(x) ** 2))(sinks)
+  assert np.all(np.isfinite(g)) and np.any(np.asarray(g) != 0)

@@ -6,8 +6,9 @@
 * The custom_partitioning mechanism for opaque (FFI) forwards, on a pure-JAX stand-in.
 * Ring attention (``jax_padsafe.sharding``): outputs, lse and gradients against the float64 oracle
   and the single-device path, the contract's exact zeros, bitwise poison invariance, and only
-  collective-permutes in the HLO; contiguous and zigzag layouts, MHA and GQA, causal in both
-  alignments, window, softcap, lengths and segment ids.
+  collective-permutes in the HLO (and with sinks one all-reduce, of their gradient); contiguous and
+  zigzag layouts, MHA and GQA, causal in both alignments, window, softcap, sinks, lengths and segment
+  ids.
 
 Sharded results are compared with single-device results within float rounding (XLA fuses the
 per-shard programs differently, so they are not bitwise equal); poison invariance *is* bitwise.
@@ -306,8 +307,8 @@ def test_partitioned_runs_forward_and_backward(heads):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-def _standin_aux_forward(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range, col_range, *,
-                         has_mask, has_bias, **static):
+def _standin_aux_forward(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range, col_range, slopes,
+                         *, has_mask, has_bias, has_alibi, **static):
   """Pure-JAX stand-in with the aux kernels' packed signature (padded layout: sequence b at rows b*T)."""
   del cu_k, tile_map, row_range, col_range, static
   b = used_q.shape[0]
@@ -315,24 +316,28 @@ def _standin_aux_forward(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_m
   rows = lambda x, l: x.reshape((b, l) + x.shape[1:])  # noqa: E731
   o, lse = jax_padsafe.dot_product_attention(
       rows(q, t), rows(k, s), rows(v, s), bias if has_bias else None, mask=mask if has_mask else None,
-      query_seq_lengths=used_q, key_value_seq_lengths=used_k, implementation="xla", return_lse=True)
+      query_seq_lengths=used_q, key_value_seq_lengths=used_k, implementation="xla", return_lse=True,
+      alibi_slopes=slopes[0, :, 0, 0] if has_alibi else None)  # the test's slopes are shared by the batch
   lse_rows = jnp.transpose(lse, (1, 0, 2)).reshape(lse.shape[1], -1)
   return o.reshape(q.shape), lse_rows, lse_rows + 1.0, lse_rows * 2.0
 
 
 def _standin_aux_backward(q, k, v, o, lse, do, dlse, cu_q, cu_k, used_q, used_k, mask, bias, tile_map,
-                          row_range, col_range, row_max, log_sum, *, has_mask, has_bias, **static):
+                          row_range, col_range, slopes, row_max, log_sum, *, has_mask, has_bias, has_alibi,
+                          **static):
   """A stand-in of the aux backward's signature: the VJP of the stand-in forward (the statistics unused)."""
   del o, lse, dlse, row_max, log_sum
   f = lambda q, k, v: _standin_aux_forward(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_map,  # noqa
-                                           row_range, col_range, has_mask=has_mask, has_bias=has_bias)[0]
+                                           row_range, col_range, slopes, has_mask=has_mask, has_bias=has_bias,
+                                           has_alibi=has_alibi)[0]
   _, vjp = jax.vjp(f, q, k, v)
   return vjp(do)
 
 
 def test_partitioned_runs_aux_forward_and_backward():
-  """Masks and biases on the kernels' route: batch- and head-sharded calls run shard-local, a mask that varies
-  per sequence splits with the batch, a bias shared by the batch but given per head splits with the heads."""
+  """Masks, biases and ALiBi slopes on the kernels' route: batch- and head-sharded calls run shard-local, a mask
+  that varies per sequence splits with the batch, a bias (and slopes) shared by the batch but given per head split
+  with the heads."""
   rng = np.random.default_rng(47)
   mesh = make_mesh((2, 2), ("data", "model"))
   b, t, s, n, kh, h = 4, 16, 20, 8, 2, 8
@@ -342,17 +347,17 @@ def test_partitioned_runs_aux_forward_and_backward():
   mask = jnp.asarray(rng.random((b, 1, t, s)) < 0.8)
   bias = mk(1, n, t, s)
   from jax_padsafe._backends.cute import aux as aux_ops
-  ops = aux_ops.operands(bias, mask)
+  ops = aux_ops.operands(bias, mask, alibi_slopes=jnp.asarray(rng.uniform(0.1, 1.0, (1, n)), jnp.float32))
   lens_q, lens_k = jnp.array([16, 5, 0, 9], jnp.int32), jnp.array([20, 3, 7, 0], jnp.int32)
   zero = jnp.zeros((b, 1), jnp.int32)
   runs = (zero, lens_q[:, None], zero, lens_k[:, None])
-  static = dict(_STATIC, has_mask=True, has_bias=True)
+  static = dict(_STATIC, **ops.flags)
   fwd = _partitioning.packed_to_runs_aux(_standin_aux_forward)
   bwd = _partitioning.packed_backward_to_runs_aux(_standin_aux_backward)
-  aux_args = tuple(ops[:5])
+  aux_args = ops.arrays
   expected = fwd(q, k, v, *runs, *aux_args, **static)
   qs, kvs, ls, rs = P("data", None, "model"), P("data", None, "model"), P("data", "model"), P("data")
-  aux_specs = (P("data"), P(None, "model"), P("data"), P("data"), P("data"))
+  aux_specs = (P("data"), P(None, "model"), P("data"), P("data"), P("data"), P(None, "model"))
   fn = _partitioning.partition_runs_forward_aux(fwd)
   args, specs = (q, k, v) + runs + aux_args, (qs, kvs, kvs) + (rs,) * 4 + aux_specs
   compiled, hlo = compile_for(lambda *a: fn(*a, **static), mesh, args, specs)
@@ -373,11 +378,12 @@ def test_partitioned_runs_aux_forward_and_backward():
 
 
 def _standin_dbias(q, k, v, do, delta, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range, col_range,
-                   row_max, log_sum, *, has_mask, has_bias, **static):
+                   slopes, row_max, log_sum, *, has_mask, has_bias, has_alibi, **static):
   """A stand-in of the bias gradient's signature: the bias's VJP of the stand-in forward."""
   del delta, row_max, log_sum
   f = lambda bias: _standin_aux_forward(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_map,  # noqa
-                                        row_range, col_range, has_mask=has_mask, has_bias=has_bias)[0]
+                                        row_range, col_range, slopes, has_mask=has_mask, has_bias=has_bias,
+                                        has_alibi=has_alibi)[0]
   _, vjp = jax.vjp(f, bias)
   return vjp(do)[0]
 
@@ -399,15 +405,15 @@ def test_partitioned_runs_dbias(bias_batch):
   lens_q, lens_k = jnp.array([16, 5, 0, 9], jnp.int32), jnp.array([20, 3, 7, 0], jnp.int32)
   zero = jnp.zeros((b, 1), jnp.int32)
   runs = (zero, lens_q[:, None], zero, lens_k[:, None])
-  static = dict(_STATIC, has_mask=True, has_bias=True)
+  static = dict(_STATIC, **ops.flags)
   dbias = _partitioning.packed_dbias_to_runs(_standin_dbias)
   stats = (mk(b, n, t),) * 3  # delta, row max, log sum: unused by the stand-in
-  args = (q, k, v, do, stats[0]) + runs + tuple(ops[:5]) + stats[1:]
+  args = (q, k, v, do, stats[0]) + runs + ops.arrays + stats[1:]
   expected = dbias(*args, **static)
   assert expected.shape == bias.shape
   qs, kvs, ls, rs = P("data", None, "model"), P("data", None, "model"), P("data", "model"), P("data")
   bias_spec = P("data", "model") if bias_batch == b else P(None, "model")
-  specs = (qs, kvs, kvs, qs, ls) + (rs,) * 4 + (P("data"), bias_spec, P("data"), P("data"), P("data")) + (ls, ls)
+  specs = (qs, kvs, kvs, qs, ls) + (rs,) * 4 + (P("data"), bias_spec, P("data"), P("data"), P("data"), P()) + (ls, ls)
   fn = _partitioning.partition_runs_dbias(dbias)
   compiled, hlo = compile_for(lambda *a: fn(*a, **static), mesh, args, specs)
   if bias_batch == b:
@@ -472,13 +478,28 @@ RING_CASES = {
     "mha_causal_contiguous_data_x_seq_grouped_bf16": (
         dict(b=2, t=16, s=16, n=2, k=2, h=64, q_len=[16, 5], kv_len=[11, 16], causal=True),
         jnp.bfloat16, (2, 2), ("data", "seq"), "seq", "data", None, "contiguous"),
+    # Sinks: merged after the ring; rows without keys (kv_len 0, bottom-right rows before the first
+    # key) get lse = the sink; one head without a sink (-inf); heads sharded too.
+    "sinks_gqa_causal_bottom_right_zigzag": (
+        dict(b=2, t=16, s=32, n=4, k=2, h=16, q_len=[16, 11], kv_len=[30, 0], causal=True,
+             bottom_right=True, sinks=np.array([0.7, -np.inf, 2.5, -1.0])),
+        jnp.float32, (4,), ("seq",), "seq", None, None, "zigzag"),
+    # A value head dim of its own: K and V travel side by side on the head dim.
+    "value_head_dim_sinks_segments_contiguous": (
+        dict(b=2, t=32, s=32, n=4, k=2, h=16, hv=24, q_len=[32, 25], kv_len=[32, 30], causal=True,
+             softcap=15.0, sinks=np.array([0.2, 1.0, -np.inf, -0.5])),
+        jnp.float32, (2, 2), ("data", "seq"), "seq", "data", None, "contiguous"),
+    "sinks_heads_x_seq_grouped_bf16": (
+        dict(b=2, t=16, s=16, n=4, k=2, h=64, q_len=[16, 7], kv_len=[13, 3], causal=True,
+             sinks=np.array([1.5, 0.0, -2.0, 4.0])),
+        jnp.bfloat16, (2, 2), ("model", "seq"), "seq", None, "model", "zigzag"),
 }
 
 
 def _ring_problem(name, rng):
   kw, *_ = RING_CASES[name]
   kw = dict(kw)
-  if name.startswith("window_softcap_segments"):
+  if name.startswith("window_softcap_segments") or "_segments_" in name:
     t = kw["t"]
     ids = np.where(np.arange(t) < 13, 0, 1)[None].repeat(kw["b"], 0)
     ids[1, 29:] = -1
@@ -503,34 +524,42 @@ def test_ring_attention(name):
   if "query_segment_ids" in kw:  # segment ids follow the layout; lengths stay natural
     kw["query_segment_ids"] = kw["query_segment_ids"][:, idx_q]
     kw["key_value_segment_ids"] = kw["key_value_segment_ids"][:, idx_k]
+  has_sinks = kw.pop("sinks", None) is not None  # an argument of run: differentiated
 
-  def run(q, k, v, do, dl, skip=True):
-    f = lambda q, k, v: sharding.ring_attention(
-        q, k, v, mesh=mesh, axis_name=axis, batch_axis=batch_axis, head_axis=head_axis,
-        layout=layout, return_lse=True, block_k=8, skip_masked_blocks=skip, **kw)
-    (o, lse), vjp = jax.vjp(f, q, k, v)
+  def run(q, k, v, do, dl, *sinks, skip=True):
+    def f(q, k, v, *sinks):
+      return sharding.ring_attention(
+          q, k, v, mesh=mesh, axis_name=axis, batch_axis=batch_axis, head_axis=head_axis,
+          layout=layout, return_lse=True, block_k=8, skip_masked_blocks=skip,
+          sinks=sinks[0] if sinks else None, **kw)
+    (o, lse), vjp = jax.vjp(f, q, k, v, *sinks)
     return (o, lse) + vjp((do, dl))
 
   x = P(batch_axis, axis, head_axis, None)
   lse_spec = P(batch_axis, head_axis, axis)
-  specs = (x, x, x, x, lse_spec)
+  specs = (x, x, x, x, lse_spec) + ((P(head_axis),) if has_sinks else ())
   d_out, d_lse = helpers.cotangents(p, rng)
 
   def layout_inputs(poison):
     q, k, v, do, dl = poisoned_inputs(p, dtype, poison, rng, d_out, d_lse)
-    return [q[:, idx_q], k[:, idx_k], v[:, idx_k], do[:, idx_q], dl[:, :, idx_q]]
+    sinks = [np.asarray(p.sinks, np.float32)] if has_sinks else []
+    return [q[:, idx_q], k[:, idx_k], v[:, idx_k], do[:, idx_q], dl[:, :, idx_q]] + sinks
 
   compiled, hlo = compile_for(run, mesh, layout_inputs("zero"), specs)
-  assert collectives(hlo) == ["collective-permute"], collectives(hlo)
+  # The sinks' gradient sums over every row: one all-reduce.
+  assert collectives(hlo) == (["all-reduce"] if has_sinks else []) + ["collective-permute"], collectives(hlo)
 
   def results(poison, exe=compiled):
-    o, lse, dq, dk, dv = (np.asarray(r) for r in exe(*[place(a, mesh, sp) for a, sp in
-                                                          zip(layout_inputs(poison), specs)]))
-    return dict(out=o[:, inv_q], lse=lse[:, :, inv_q], dq=dq[:, inv_q], dk=dk[:, inv_k],
-                dv=dv[:, inv_k])
+    o, lse, dq, dk, dv, *dsinks = (np.asarray(r) for r in exe(*[place(a, mesh, sp) for a, sp in
+                                                                   zip(layout_inputs(poison), specs)]))
+    res = dict(out=o[:, inv_q], lse=lse[:, :, inv_q], dq=dq[:, inv_q], dk=dk[:, inv_k],
+               dv=dv[:, inv_k])
+    if dsinks:
+      res["dsinks"] = dsinks[0]
+    return res
 
   base = results("zero")
-  names = ["out", "lse", "dq", "dk", "dv"]
+  names = ["out", "lse", "dq", "dk", "dv"] + (["dsinks"] if has_sinks else [])
   ref, naive = oracle.expected(p, dtype, d_out, d_lse)
   oracle.assert_close(base, ref, naive, dtype, names)
   helpers.assert_contract_zeros(p, base, ref)

@@ -24,47 +24,52 @@ from jax_padsafe._core.spec import AttentionSpec
 BACKENDS = {"xla": xla.XLA, "cute": cute.CUTE}
 
 
-def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, problem=None):
-  """``None`` if the GPU forward kernel can run this call, else why not (a sentence)."""
+def kernel_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, problem=None, value=None):
+  """``None`` if the GPU forward kernel can run this call, else why not (a sentence). ``value``:
+  its head dim is checked (``None``: the same as the key's)."""
   if not library.library_available():
     return library.unusable_reason()
-  return _call_unsupported_reason(spec, query, key, bias=bias, mask=mask, problem=problem)
+  return _call_unsupported_reason(spec, query, key, bias=bias, mask=mask, problem=problem, value=value)
 
 
-def _call_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, problem=None):
-  """Why the kernels cannot run this call, whatever the library (the default build matrix without one)."""
+def _call_unsupported_reason(spec: AttentionSpec, query, key, *, bias, mask, problem=None, value=None):
+  """Why the kernels cannot run this call, whatever the library (the default build matrix without one).
+  Sinks run on every kernel path (they join the kernels' results); ALiBi slopes, like a mask or a bias,
+  on the aux kernels."""
   if problem is not None and problem.unsupported is not None:
     return problem.unsupported
-  aux = bias is not None or mask is not None
+  aux = bias is not None or mask is not None or spec.alibi
   if aux:
-    reason = ("a mask or bias reaches the kernels through the attention functions only" if problem is None
+    reason = ("a mask, bias or ALiBi reaches the kernels through the attention functions only" if problem is None
               else cute_aux.unsupported_reason(problem, query, bias, mask))
     if reason is not None:
       return reason
   n, h = query.shape[-2], query.shape[-1]
   return library.unsupported_reason(
-      dtype=query.dtype, head_dim=h, head_dim_v=h, num_heads=n, num_kv_heads=key.shape[-2],
+      dtype=query.dtype, head_dim=h, head_dim_v=h if value is None else value.shape[-1], num_heads=n,
+      num_kv_heads=key.shape[-2],
       causal=spec.causal, window=spec.has_window, softcap=spec.softcap, aux=aux)
 
 
-def note_fallback(spec: AttentionSpec, query, key, *, bias, mask, problem=None):
+def note_fallback(spec: AttentionSpec, query, key, *, bias, mask, problem=None, value=None):
   """For a call going to the pure-JAX path under ``implementation=None``: if only the missing or
   unusable library keeps it off the kernels, warn once (``library.warn_unusable``, CUDA hosts only)."""
   if (not library.library_available()
-      and _call_unsupported_reason(spec, query, key, bias=bias, mask=mask, problem=problem) is None):
+      and _call_unsupported_reason(spec, query, key, bias=bias, mask=mask, problem=problem,
+                                   value=value) is None):
     library.warn_unusable()
 
 
 def choose_backend(implementation, spec: AttentionSpec, problem, query, key, *, bias,
-                   mask) -> Backend:
+                   mask, value=None) -> Backend:
   """The ``Backend`` for this call (see the module docstring for the rules)."""
   if implementation == "xla":
     return BACKENDS["xla"]
-  reason = kernel_unsupported_reason(spec, query, key, bias=bias, mask=mask, problem=problem)
+  reason = kernel_unsupported_reason(spec, query, key, bias=bias, mask=mask, problem=problem, value=value)
   if reason is None:
     return BACKENDS["cute"]
   if implementation == "cute":
     raise NotImplementedError(f'implementation="cute" cannot run this call: {reason}. '
                               'Use implementation=None to fall back to the pure-JAX path.')
-  note_fallback(spec, query, key, bias=bias, mask=mask, problem=problem)
+  note_fallback(spec, query, key, bias=bias, mask=mask, problem=problem, value=value)
   return BACKENDS["xla"]

@@ -21,6 +21,14 @@ Pad-safety rules followed everywhere below:
 * the running max is replaced by 0 while a row has seen no visible key, so ``exp(-inf - -inf)`` is
   never evaluated;
 * rows with no visible key produce ``o = 0`` and ``lse = -inf`` (valid rows) or ``lse = 0`` (padded rows).
+
+ALiBi adds ``-slope * |q_pos - k_pos|`` to the logits after the softcap, next to the bias, computed
+per key block from the canonical positions (which include the alignment offset): no T x S array.
+
+Sinks (one logit per query head, ``exp(sink)`` added to every valid row's denominator) are a key with
+a zero value that every valid row sees: the online softmax starts from it (``m = sink``, ``l = 1``), so
+a valid row that sees no key comes out with ``o = 0`` and ``lse = sink``, and huge or ``-inf`` sinks
+go through the same max-shifted sums as the logits.
 """
 
 from __future__ import annotations
@@ -58,14 +66,15 @@ def _einsum(spec, a, b, dtype, like=None):
 class RowStats(NamedTuple):
   """What the forward keeps for the backward, per query row (``[B, K, G, T]``, grouped heads).
 
-  ``m``: the row's max logit (``-inf`` for rows that saw no key, 0 in padded rows); ``log_l``: the
-  log of its sum of ``exp(s - m)``; ``o``: the output ``[B, K, G, T, Hv]`` in float32.  ``lse = m +
-  log_l`` rounds to ``m`` once ``|m|`` dwarfs ``log_l`` (a huge finite bias on every key: -1e30,
-  finfo.min), so ``exp(s - lse)`` would give 1 where the softmax is ``1 / l``; ``exp((s - m) -
-  log_l)`` is exact to rounding for any finite ``m``.  Delta = rowsum(dO * O) is formed from the
-  float32 output, not the one rounded to the input dtype (dQ's remaining mismatch, from P rounded
-  for its product with V, is corrected in :func:`backward`); ``o`` None (the kernels' statistics,
-  :func:`row_stats_from_kernels`): Delta = rowsum(P * dP) from the recomputed P and dP."""
+  ``m``: the row's max logit, the sink included (``-inf`` for rows that saw no key and have no sink,
+  0 in padded rows); ``log_l``: the log of its sum of ``exp(s - m)``, the sink's term included;
+  ``o``: the output ``[B, K, G, T, Hv]`` in float32.  ``lse = m + log_l`` rounds to ``m`` once
+  ``|m|`` dwarfs ``log_l`` (a huge finite bias on every key: -1e30, finfo.min), so ``exp(s - lse)``
+  would give 1 where the softmax is ``1 / l``; ``exp((s - m) - log_l)`` is exact to rounding for any
+  finite ``m``.  Delta = rowsum(dO * O) is formed from the float32 output, not the one rounded to
+  the input dtype (dQ's remaining mismatch, from P rounded for its product with V, is corrected in
+  :func:`backward`); ``o`` None (the kernels' statistics, :func:`row_stats_from_kernels`): Delta =
+  rowsum(P * dP) from the recomputed P and dP."""
   m: jax.Array
   log_l: jax.Array
   o: jax.Array | None
@@ -121,8 +130,9 @@ def _heads_to_groups(x, num_kv_heads: int):
   return x.reshape(bx, num_kv_heads, nx // num_kv_heads, tx, sx)
 
 
-def _key_blocks(spec, k, v, bias, mask, k_seg, k_pos):
-  """Everything that varies along the key axis, split into scan inputs (or kept whole if broadcast)."""
+def _key_blocks(spec, k, v, bias, mask, k_seg, k_pos, alibi=None):
+  """Everything that varies along the key axis, split into scan inputs (or kept whole if broadcast);
+  the ALiBi slopes (``[1|B, N, 1|T]``, constant along the keys) are kept whole."""
   s = k.shape[1]
   block, nblk = _num_blocks(spec, s)
   xs = {
@@ -142,6 +152,8 @@ def _key_blocks(spec, k, v, bias, mask, k_seg, k_pos):
       whole[name] = arr
     else:
       xs[name] = _split_last(arr, block, nblk, fill)
+  if alibi is not None:  # [Bx, N, Tx] -> [Bx, K, G, Tx, 1], to broadcast against the logits
+    whole["alibi"] = alibi.reshape(alibi.shape[0], num_kv_heads, -1, alibi.shape[-1])[..., None]
   return xs, whole, block, nblk
 
 
@@ -174,6 +186,10 @@ def _block_logits(spec: AttentionSpec, qg, q_seg, q_pos, blk):
     # A bias of -inf hides a key exactly like a mask does; elsewhere only visible entries are read.
     vis = vis & (bias != -jnp.inf)
     s = s + jnp.where(vis, bias, _F32(0))
+  if "alibi" in blk:
+    # |i + off - j| from the positions (int32: exact), then in float32 like the bias.
+    dist = jnp.abs(q_pos[:, None, None, :, None] - blk["k_pos"][:, None, None, None, :]).astype(_F32)
+    s = s + jnp.where(vis, -blk["alibi"] * dist, _F32(0))
   return s, vis, tanh_s
 
 
@@ -186,18 +202,29 @@ def _group_queries(x, num_kv_heads):
 # Forward
 # --------------------------------------------------------------------------------------------------
 
-def forward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos):
-  """Returns ``(o [B, T, N, Hv] q.dtype, lse [B, N, T] float32)``. Inputs must be sanitised."""
-  o, lse, _ = forward_with_stats(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos)
+def forward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, *, sinks=None,
+            alibi=None):
+  """Returns ``(o [B, T, N, Hv] q.dtype, lse [B, N, T] float32)``. Inputs must be sanitised.
+  ``sinks``: float32 ``[N]`` sink logits, or ``None``; ``alibi``: float32 ALiBi slopes ``[1|B, N, 1|T]``
+  (per query row), or ``None``."""
+  o, lse, _ = forward_with_stats(spec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, sinks=sinks,
+                                 alibi=alibi)
   return o, lse
 
 
-def forward_with_stats(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos):
+def _grouped_sinks(sinks, num_kv_heads):
+  """Sink logits ``[N]`` as ``[1, K, G, 1]``, to broadcast against the row statistics ``[B, K, G, T]``."""
+  return sinks.astype(_F32).reshape(1, num_kv_heads, -1, 1)
+
+
+def forward_with_stats(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, *,
+                       sinks=None, alibi=None):
   """``(o, lse, RowStats)``: :func:`forward` and the row statistics its backward reads."""
   b, t, n, _ = q.shape
   num_kv_heads, hv = k.shape[2], v.shape[-1]
   qg = _group_queries(q, num_kv_heads)
-  xs, whole, _, _ = _key_blocks(spec, k, v, bias, mask, k_seg, k_pos)
+  xs, whole, _, _ = _key_blocks(spec, k, v, bias, mask, k_seg, k_pos, alibi)
+  q_valid = visibility.row_is_valid(q_seg)[:, None, None, :]
 
   def step(carry, blk):
     m, l, acc = carry
@@ -215,20 +242,24 @@ def forward_with_stats(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q
   # The carries are derived from qg so that they carry its sharding: on meshes with Explicit axes
   # (jax.set_mesh) a scan carry must keep one sharding type from its initial value to its update.
   zeros = jnp.zeros_like(jnp.moveaxis(qg[..., 0], 1, -1), dtype=_F32)  # [B, K, G, T]
-  init = (
-      jnp.full_like(zeros, -jnp.inf),
-      zeros,
-      zeros[..., None] + jnp.zeros((hv,), _F32),                     # [B, K, G, T, Hv]
-  )
+  m0, l0 = jnp.full_like(zeros, -jnp.inf), zeros
+  if sinks is not None:
+    # The sink is the first key of every valid row (padded rows stay as without sinks): m = sink,
+    # l = exp(sink - m) = 1, or nothing at all for a sink of -inf ("no sink" for that head).
+    sink = _grouped_sinks(sinks, num_kv_heads)
+    m0 = jnp.where(q_valid, zeros + sink, m0)
+    l0 = jnp.where(q_valid & (sink != -jnp.inf), zeros + 1, l0)
+  init = (m0, l0, zeros[..., None] + jnp.zeros((hv,), _F32))  # acc: [B, K, G, T, Hv]
   (m, l, acc), _ = lax.scan(step, init, xs)
 
-  # A row saw a key iff its running max left -inf.  (Not `l > 0`: NaN in a valid row's data must come
-  # out as NaN, as plain attention gives it, not turn the row into an empty one with output 0.)
+  # A row has a softmax iff its running max left -inf (it saw a key, or it has a sink).  (Not
+  # `l > 0`: NaN in a valid row's data must come out as NaN, as plain attention gives it, not turn the
+  # row into an empty one with output 0.)  A row with a sink and no key: acc = 0, l = 1, so o = 0 and
+  # lse = sink exactly.
   has_key = m != -jnp.inf
   l_safe = jnp.where(has_key, l, _F32(1))
   o = jnp.where(has_key[..., None], acc / l_safe[..., None], _F32(0))
-  q_valid = visibility.row_is_valid(q_seg)[:, None, None, :]
-  # lse: finite for rows that saw a key, -inf for valid rows that saw none, exactly 0 for padding.
+  # lse: finite for rows with a softmax, -inf for valid rows without, exactly 0 for padding.
   log_l = jnp.where(has_key, jnp.log(l_safe), _F32(0))
   lse = jnp.where(has_key, m + log_l, jnp.where(q_valid, -jnp.inf, _F32(0)))
   m = jnp.where(q_valid, m, _F32(0))
@@ -242,11 +273,14 @@ def forward_with_stats(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q
 # --------------------------------------------------------------------------------------------------
 
 def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_pos, o, lse, do, dlse,
-             stats: RowStats | None = None):
-  """Gradients ``(dq, dk, dv, dbias)`` by blockwise recomputation.
+             stats: RowStats | None = None, *, sinks=None, alibi=None):
+  """Gradients ``(dq, dk, dv, dbias, dsinks)`` by blockwise recomputation.
 
   With ``stats`` (from :func:`forward_with_stats`) P is ``exp((s - m) - log_l)`` and Delta comes
   from the float32 output; without (the ring, which merges its chunks' lse) from ``lse`` and ``o``.
+  ``dsinks`` (float32 ``[N]``, ``None`` without ``sinks``): the sink of row i has probability
+  ``P_sink = exp(sink - lse_i)`` and a zero value, so its gradient is ``-P_sink * Delta_i`` summed
+  over the valid rows (padded rows selected away), in a fixed order.
   """
   b, t, n, _ = q.shape
   s_len, num_kv_heads = k.shape[1], k.shape[2]
@@ -268,7 +302,7 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
   m_safe = jnp.where(has_key, m, _F32(0))  # a NaN max (NaN in valid data) propagates
   log_l = jnp.where(has_key, log_l, _F32(0))
   qg = _group_queries(q, num_kv_heads)
-  xs, whole, block, nblk = _key_blocks(spec, k, v, bias, mask, k_seg, k_pos)
+  xs, whole, block, nblk = _key_blocks(spec, k, v, bias, mask, k_seg, k_pos, alibi)
   bias_shape = None if bias is None else bias.shape
   if o32 is None:
     # Statistics without a float32 output (the kernels' output is in the input dtype, whose rounding
@@ -287,13 +321,22 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
   dlse = jnp.where(has_key, dlse, _F32(0))
   delta = jnp.where(has_key, delta - dlse, _F32(0))
 
+  # The sink's probability (0 where the head has none, and in rows without a softmax).
+  p_sink = None
+  if sinks is not None:
+    sink = _grouped_sinks(sinks, num_kv_heads)
+    p_sink = jnp.where(has_key, jnp.exp((sink - m_safe) - log_l), _F32(0))
+
   # With the whole row in this call (``stats``), dQ is also made to use Delta = rowsum(P * dP) of
   # the P and dP recomputed here: the output's P was rounded to the input dtype for its product with
   # V, so rowsum(dO * O) differs from it by that rounding, and sum_j dS_j, which must cancel a
   # component that all keys share (dQ = scale * sum_j dS_j k_j), is off by as much.  The scan sums
-  # eps = sum_j dS_j - dlse (the mismatch) and pk = sum_j P_j k_j, and dQ -= scale * eps * pk
-  # replaces Delta by Delta + eps (sum_j P_j = 1).  dK and dbias need no such care: a key's dS does not sum to zero
-  # over the queries.  (The ring passes no ``stats``: its calls see only part of each row.)
+  # sum_j dS_j and pk = sum_j P_j k_j.  Over every key, the sink's dS = -P_sink * Delta included,
+  # the dS of a row sum to dlse exactly, so eps = sum_j dS_j - P_sink * Delta - dlse is the mismatch,
+  # and dQ -= scale * eps * pk replaces Delta by Delta + eps (which is rowsum(P * dP) - dlse: the
+  # keys' P sum to 1 - P_sink, the sink's value is 0).  dK and dbias need no such care: a key's dS does
+  # not sum to zero over the queries.  (The ring passes no ``stats``: its calls see only part of each
+  # row.)
   whole_row = stats is not None
 
   def step(carry, blk):
@@ -323,8 +366,14 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
   dq0 = jnp.zeros_like(qg, dtype=_F32)  # keeps qg's sharding (scan carries on Explicit meshes)
   (dq, eps, pk), (dk, dv, dbias) = lax.scan(step, (dq0, jnp.zeros_like(delta), dq0), xs)
   if whole_row:
-    eps = eps - dlse  # sum_j dS_j = (rowsum(P * dP) - rowsum(dO * O)) + dlse
+    eps = eps - dlse if p_sink is None else eps - p_sink * delta - dlse
     dq = dq - _F32(spec.scale) * jnp.moveaxis(eps, 3, 1)[..., None] * pk
+  dsinks = None
+  if sinks is not None:
+    # The corrected Delta (above) also for the sink: rowsum(P * dP) is free of the output's rounding.
+    row_delta = delta + eps if whole_row else delta
+    dsinks = jnp.sum(jnp.where(has_key, -p_sink * row_delta, _F32(0)), axis=(0, 3))
+    dsinks = dsinks.reshape(n).astype(sinks.dtype)
 
   def unblock(x):  # [nblk, B, bk, K, H] -> [B, S, K, H]
     x = jnp.moveaxis(x, 0, 1).reshape(b, nblk * block, *x.shape[3:])
@@ -339,7 +388,7 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
     else:
       dbias = jnp.moveaxis(dbias, 0, -2).reshape(*bias_shape[:-1], nblk * block)[..., :s_len]
     dbias = dbias.astype(bias.dtype)
-  return dq, dk, dv, dbias
+  return dq, dk, dv, dbias, dsinks
 
 
 def row_stats_from_kernels(o, row_max, log_sum, num_kv_heads) -> RowStats:
@@ -366,16 +415,17 @@ def _reduce_to_bias(ds, bias_shape):
 # The backend
 # --------------------------------------------------------------------------------------------------
 
-def xla_forward(spec, q, k, v, bias, mask, problem):
-  return forward(spec, q, k, v, bias, mask, *problem.rows())
+def xla_forward(spec, q, k, v, bias, mask, sinks, alibi, problem):
+  return forward(spec, q, k, v, bias, mask, *problem.rows(), sinks=sinks, alibi=alibi)
 
 
-def xla_forward_with_stats(spec, q, k, v, bias, mask, problem):
-  return forward_with_stats(spec, q, k, v, bias, mask, *problem.rows())
+def xla_forward_with_stats(spec, q, k, v, bias, mask, sinks, alibi, problem):
+  return forward_with_stats(spec, q, k, v, bias, mask, *problem.rows(), sinks=sinks, alibi=alibi)
 
 
-def xla_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats=None):
-  return backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse, stats)
+def xla_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats=None):
+  return backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse, stats, sinks=sinks,
+                  alibi=alibi)
 
 
 XLA = Backend("xla", xla_forward, xla_backward, forward_with_stats=xla_forward_with_stats)

@@ -10,9 +10,11 @@ from typing import Callable
 class Backend:
   """A forward and a backward on the canonical problem (hashable: a ``custom_vjp`` nondiff arg).
 
-  ``forward(spec, q, k, v, bias, mask, problem) -> (o, lse)``;
-  ``backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse) -> (dq, dk, dv, dbias)``, with
-  ``q [B, T, N, H]``, ``k``/``v`` ``[B, S, K, H]`` and ``problem`` a
+  ``forward(spec, q, k, v, bias, mask, sinks, alibi, problem) -> (o, lse)``;
+  ``backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse) -> (dq, dk, dv,
+  dbias, dsinks)``, with ``q [B, T, N, H]``, ``k`` ``[B, S, K, H]``, ``v`` ``[B, S, K, Hv]``,
+  ``sinks`` float32 ``[N]`` or ``None`` (then ``dsinks`` is ``None``), ``alibi`` the ALiBi slopes per
+  query row, float32 ``[1|B, N, 1|T]`` or ``None`` (no gradient), and ``problem`` a
   :class:`jax_padsafe._core.problem.Problem` (the pure-JAX functions read its per-row view, the
   kernels its kernel view).
 

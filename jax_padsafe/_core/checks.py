@@ -12,6 +12,7 @@ import math
 import numpy as np
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_padsafe._core.spec import AttentionSpec
 
@@ -49,13 +50,15 @@ def check_float_inputs(query, key, value, *, rank: int, layout: str):
   if not (query.dtype == key.dtype == value.dtype):
     raise TypeError(
         f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
-  if key.shape != value.shape:
-    raise ValueError(f"value shape {value.shape} must equal key shape {key.shape}")
+  if key.shape[:-1] != value.shape[:-1]:
+    raise ValueError(f"value shape {value.shape} must equal key shape {key.shape} but in the last "
+                     "dimension (value's head dim may differ)")
   if query.shape[-1] != key.shape[-1]:
     raise ValueError(
         f"query head dim {query.shape[-1]} must equal key head dim {key.shape[-1]}")
-  if query.shape[-1] == 0:
-    raise ValueError("head dim must be positive")
+  if query.shape[-1] == 0 or value.shape[-1] == 0:
+    raise ValueError(f"head dims must be positive, got {query.shape[-1]} (query/key) and "
+                     f"{value.shape[-1]} (value)")
   n, k = query.shape[-2], key.shape[-2]
   if k == 0 or n % k != 0:
     raise ValueError(
@@ -159,7 +162,7 @@ def default_scale(head_dim: int) -> float:
 
 
 def make_spec(head_dim, scale, is_causal, local_window_size, softcap, block_k, *, bottom_right=False,
-              deterministic=False) -> AttentionSpec:
+              deterministic=False, sinks=False, alibi=False) -> AttentionSpec:
   """The checked static options of one call."""
   scale = check_scalar("scale", scale)
   if scale is None:
@@ -175,7 +178,37 @@ def make_spec(head_dim, scale, is_causal, local_window_size, softcap, block_k, *
     raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
   return AttentionSpec(scale=scale, causal=bool(is_causal), window_left=left, window_right=right,
                        softcap=softcap, block_k=int(block_k), bottom_right=bool(bottom_right),
-                       deterministic=bool(deterministic))
+                       deterministic=bool(deterministic), sinks=bool(sinks), alibi=bool(alibi))
+
+
+def sinks(value, num_heads):
+  """``sinks``: one float logit per query head, ``[N]``, as float32 (or ``None``). Differentiable: the
+  cast is an ordinary JAX op, so a bfloat16 parameter gets its gradient back in bfloat16."""
+  if value is None:
+    return None
+  value = jnp.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    raise TypeError(f"sinks must be a floating array (one logit per query head), got {value.dtype}")
+  if value.shape != (num_heads,):
+    raise ValueError(f"sinks must have shape [N] = ({num_heads},) (one logit per query head), "
+                     f"got {value.shape}")
+  return value.astype(jnp.float32)
+
+
+def alibi_slopes(value, batch, num_heads, *, batch_name="B"):
+  """``alibi_slopes``: ``[N]`` or ``[batch, N]`` floats, as float32 ``[1 | batch, N]`` (or ``None``).
+
+  The slopes are not differentiated (``stop_gradient``): ALiBi fixes them (a geometric sequence per
+  head), and a gradient would need a T x S reduction of dS weighted by distances."""
+  if value is None:
+    return None
+  value = jnp.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    raise TypeError(f"alibi_slopes must be a floating array, got {value.dtype}")
+  if value.shape not in ((num_heads,), (batch, num_heads)):
+    raise ValueError(f"alibi_slopes must have shape [N] = ({num_heads},) or [{batch_name}, N] = "
+                     f"({batch}, {num_heads}), got {value.shape}")
+  return lax.stop_gradient(value.astype(jnp.float32)).reshape(-1, num_heads)
 
 
 def lengths(name, value, batch, upper):

@@ -12,7 +12,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-  """Scale, masks and softcap of one call, as checked by ``checks.make_spec``."""
+  """Scale, masks, softcap and score terms of one call, as checked by ``checks.make_spec``."""
 
   scale: float
   causal: bool = False
@@ -27,6 +27,11 @@ class AttentionSpec:
   bottom_right: bool = False
   # Bitwise-reproducible gradients (the pure-JAX path always is; kernels may use atomics otherwise).
   deterministic: bool = False
+  # Per-head sink logits are given (an array next to the bias): one more term in every row's softmax
+  # denominator. Static, so that dispatch can tell without the array which backends take the call.
+  sinks: bool = False
+  # ALiBi slopes are given (an array next to the bias): the score bias -slope * |q_pos - k_pos|.
+  alibi: bool = False
 
   @property
   def has_window(self) -> bool:

@@ -51,10 +51,11 @@ class AuxOperands(NamedTuple):
 
 
 def unsupported_reason(problem, q, bias, mask) -> str | None:
-  """Why the aux kernels cannot take this call's mask / bias (None: they can)."""
+  """Why the aux kernels cannot take this call's mask / bias (None: they can; ALiBi slopes need only the
+  padded layout with lengths)."""
   if problem.packed or not problem.dense_rows:
-    return ("the CuTe kernels take a mask or bias on the padded layout with lengths only (not with "
-            "segment ids or the packed layout)")
+    return ("the CuTe kernels take a mask, bias or ALiBi slopes on the padded layout with lengths only (not "
+            "with segment ids or the packed layout)")
   n = q.shape[2]
   for name, x in (("mask", mask), ("bias", bias)):
     if x is None:

@@ -30,6 +30,7 @@ from jax_padsafe._backends.cute import aux as aux_ops
 from jax_padsafe._backends.cute import backward as cute_backward_ops
 from jax_padsafe._backends.cute import forward as cute_forward_ops
 from jax_padsafe._backends.cute import library
+from jax_padsafe._backends.cute import sinks as sink_ops
 from jax_padsafe._backends.cute import split_kv
 from jax_padsafe._core import visibility
 from jax_padsafe._core.backend import Backend
@@ -161,9 +162,9 @@ def _run_kernel_or_fallback(problem, on_cuda, elsewhere, *operands):
   return lax.platform_dependent(*operands, cuda=cuda, default=elsewhere)
 
 
-def cute_forward(spec, q, k, v, bias, mask, problem):
+def cute_forward(spec, q, k, v, bias, mask, sinks, alibi, problem):
   """Forward on the GPU kernel for CUDA, the pure-JAX forward elsewhere (same results contract)."""
-  return cute_forward_with_stats(spec, q, k, v, bias, mask, problem)[:2]
+  return cute_forward_with_stats(spec, q, k, v, bias, mask, sinks, alibi, problem)[:2]
 
 
 def kernel_width(spec: AttentionSpec, q, v, *, aux: bool, direction: str = "forward") -> int | None:
@@ -179,23 +180,33 @@ def widen(x, width: int):
   return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
-def cute_forward_with_stats(spec, q, k, v, bias, mask, problem):
-  """``(o, lse, stats)``: ``stats`` is ``None`` without a mask or bias, else the exact row statistics
+def _uses_aux(bias, mask, alibi) -> bool:
+  """Whether a call runs the aux kernels (a mask, a bias or ALiBi slopes)."""
+  return bias is not None or mask is not None or alibi is not None
+
+
+def cute_forward_with_stats(spec, q, k, v, bias, mask, sinks, alibi, problem):
+  """``(o, lse, stats)``: ``stats`` is ``None`` without a mask, bias or ALiBi, else the exact row statistics
   ``(row_max, log_sum)`` ``[B, N, T]`` of the aux kernels and the mask's block summary
-  (:func:`_aux_forward`). Head dims without a compiled kernel run zero-padded to the next one."""
+  (:func:`_aux_forward`). Head dims without a compiled kernel (and a value head dim of its own) run
+  zero-padded to the next compiled one; sinks join the kernels' results afterwards (:mod:`.sinks`)."""
   h, hv = q.shape[-1], v.shape[-1]
-  width = kernel_width(spec, q, v, aux=bias is not None or mask is not None)
+  width = kernel_width(spec, q, v, aux=_uses_aux(bias, mask, alibi))
   if width is not None and (width != h or width != hv):
-    o, lse, stats = _forward_compiled_width(spec, widen(q, width), widen(k, width), widen(v, width), bias,
-                                            mask, problem)
-    return o[..., :hv], lse, stats
-  return _forward_compiled_width(spec, q, k, v, bias, mask, problem)
+    q, k, v = (widen(x, width) for x in (q, k, v))
+  o, lse, stats = _forward_compiled_width(spec, q, k, v, bias, mask, alibi, problem)
+  o = o[..., :hv]
+  if sinks is not None:
+    o, lse, row_stats = sink_ops.forward(o, lse, sinks, visibility.row_is_valid(problem.q_seg),
+                                         None if stats is None else stats[:2])
+    stats = None if stats is None else row_stats + stats[2:]
+  return o, lse, stats
 
 
-def _forward_compiled_width(spec, q, k, v, bias, mask, problem):
-  """:func:`cute_forward_with_stats` for head dims the kernels are compiled for."""
-  if bias is not None or mask is not None:
-    return _aux_forward(spec, q, k, v, bias, mask, problem)
+def _forward_compiled_width(spec, q, k, v, bias, mask, alibi, problem):
+  """:func:`cute_forward_with_stats` without sinks, for head dims the kernels are compiled for."""
+  if _uses_aux(bias, mask, alibi):
+    return _aux_forward(spec, q, k, v, bias, mask, alibi, problem)
   static = tuple(sorted(_problem_static_args(spec, problem).items()))
   # Few query rows per sequence (decoding) are rewritten first: GQA heads packed into rows, keys split.
   split = split_kv.eligible(spec, problem)
@@ -215,10 +226,15 @@ def _forward_compiled_width(spec, q, k, v, bias, mask, problem):
   return o, lse, None
 
 
-def _aux_forward(spec, q, k, v, bias, mask, problem):
-  """The forward with a mask and/or bias on the aux kernels (padded layout with lengths)."""
+def _kernel_slopes(alibi):
+  """The ALiBi slopes per query row ``[1|B, N, 1]`` as the kernels take them, ``[1|B, N]``."""
+  return None if alibi is None else alibi[:, :, 0]
+
+
+def _aux_forward(spec, q, k, v, bias, mask, alibi, problem):
+  """The forward with a mask, bias and / or ALiBi slopes on the aux kernels (padded layout with lengths)."""
   b, t, n, _ = q.shape
-  ops = aux_ops.operands(bias, mask)
+  ops = aux_ops.operands(bias, mask, alibi_slopes=_kernel_slopes(alibi))
   static = tuple(sorted(dict(_problem_static_args(spec, problem), **ops.flags).items()))
 
   def on_cuda(q, k, v):
@@ -227,7 +243,7 @@ def _aux_forward(spec, q, k, v, bias, mask, problem):
 
   def elsewhere(q, k, v):
     q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
-    o, lse, st = xla.forward_with_stats(spec, q, k, v, bias, mask, *problem.rows())
+    o, lse, st = xla.forward_with_stats(spec, q, k, v, bias, mask, *problem.rows(), alibi=alibi)
     # The kernels' conventions: (0, +inf) in valid rows without a visible key.
     m, log_l = st.m.reshape(b, n, t), st.log_l.reshape(b, n, t)
     empty = m == -jnp.inf
@@ -248,25 +264,30 @@ def backward_supported(spec: AttentionSpec, q, k) -> bool:
       direction="backward") is None
 
 
-def cute_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats=None):
-  """Backward on the GPU kernels (CUDA) where built and supported, else the pure-JAX backward. Head dims
-  without a compiled kernel run zero-padded to the next one, as in the forward."""
+def cute_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats=None):
+  """``(dq, dk, dv, dbias, dsinks)`` on the GPU kernels (CUDA) where built and supported, else the pure-JAX
+  backward. Head dims without a compiled kernel run zero-padded to the next one, as in the forward. With
+  sinks, ``o`` and ``lse`` (and the row statistics) are the forward's, sinks included, from which the
+  kernels recompute the probabilities with the sink, and the sinks' gradient is :func:`sinks.gradient`."""
   h, hv = q.shape[-1], v.shape[-1]
-  width = kernel_width(spec, q, v, aux=bias is not None or mask is not None, direction="backward")
+  dsinks = None
+  if sinks is not None:
+    dsinks = sink_ops.gradient(sinks, o, lse, do, dlse, visibility.row_is_valid(problem.q_seg))
+  width = kernel_width(spec, q, v, aux=_uses_aux(bias, mask, alibi), direction="backward")
   if width is not None and (width != h or width != hv):
-    dq, dk, dv, dbias = _backward_compiled_width(
-        spec, widen(q, width), widen(k, width), widen(v, width), bias, mask, problem, widen(o, width), lse,
-        widen(do, width), dlse, stats)
-    return dq[..., :h], dk[..., :h], dv[..., :hv], dbias
-  return _backward_compiled_width(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats)
+    q, k, v, o, do = (widen(x, width) for x in (q, k, v, o, do))
+  dq, dk, dv, dbias = _backward_compiled_width(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse,
+                                               stats)
+  return dq[..., :h], dk[..., :h], dv[..., :hv], dbias, dsinks
 
 
-def _backward_compiled_width(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats=None):
-  """:func:`cute_backward` for head dims the kernels are compiled for (or the pure-JAX backward)."""
-  if bias is not None or mask is not None:
-    return _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats)
+def _backward_compiled_width(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats=None):
+  """``(dq, dk, dv, dbias)`` of :func:`cute_backward` for head dims the kernels are compiled for (or the
+  pure-JAX backward)."""
+  if _uses_aux(bias, mask, alibi):
+    return _aux_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats)
   if not backward_supported(spec, q, k):
-    return _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse)
+    return _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse)
   static = tuple(sorted(dict(_problem_static_args(spec, problem),
                              deterministic=spec.deterministic).items()))
 
@@ -279,14 +300,14 @@ def _backward_compiled_width(spec, q, k, v, bias, mask, problem, o, lse, do, dls
     return _kernel_call("bwd_runs", static)(q, k, v, o, lse, do, dlse, *problem.kernel)
 
   def elsewhere(q, k, v, o, lse, do, dlse):
-    return _pure_jax_backward(spec, q, k, v, None, None, problem, o, lse, do, dlse)[:3]
+    return _pure_jax_backward(spec, q, k, v, None, None, sinks, None, problem, o, lse, do, dlse)[:3]
 
   do = do.astype(q.dtype)
   dq, dk, dv = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v, o, lse, do, dlse)
   return dq, dk, dv, None
 
 
-def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
+def _aux_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats):
   """The backward of :func:`_aux_forward`: dQ, dK, dV on the aux kernels from its exact row statistics;
   dbias (when there is a bias) from the bias gradient kernel (a call of its own, which XLA drops where
   dbias is unused), or from the pure-JAX backward where that kernel does not apply (a bias broadcast
@@ -296,10 +317,10 @@ def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
   if stats is None or not library.backward_available() or library.unsupported_reason(
       dtype=q.dtype, head_dim=q.shape[-1], num_heads=n, num_kv_heads=num_kv, causal=spec.causal,
       window=spec.has_window, softcap=spec.softcap, aux=True, direction="backward") is not None:
-    return _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse)
+    return _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse)
   stats, summary = stats[:2], stats[2:]
   row_stats = xla.row_stats_from_kernels(o, *stats, num_kv)
-  ops = aux_ops.operands(bias, mask, summary=summary)
+  ops = aux_ops.operands(bias, mask, summary=summary, alibi_slopes=_kernel_slopes(alibi))
   static = tuple(sorted(dict(_problem_static_args(spec, problem), deterministic=spec.deterministic,
                              **ops.flags).items()))
 
@@ -313,7 +334,7 @@ def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
                                                 *ops.arrays, *stats) + (jnp.zeros((b, n, t), jnp.float32),)
 
   def elsewhere(q, k, v, o, lse, do, dlse):
-    grads = _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, row_stats)[:3]
+    grads = _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, row_stats)[:3]
     return grads + (jnp.zeros((b, n, t), jnp.float32),)  # Delta: read by the kernels only
 
   do = do.astype(q.dtype)
@@ -322,11 +343,15 @@ def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
   if bias is not None:
     def pure_dbias(q, k, v, o, lse, do, dlse, delta):
       del delta
-      return _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, row_stats)[3]
+      return _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, row_stats)[3]
 
     def dbias_on_cuda(q, k, v, o, lse, do, dlse, rowsum_p_dp):
-      # The bias kind's dQ kernel leaves rowsum(P dP) of its recomputed P and dP in the Delta workspace.
+      # The bias kind's dQ kernel leaves Delta + sum_j dS_j in the Delta workspace: rowsum(P dP) of its
+      # recomputed P and dP where the keys' P sum to 1. With sinks they sum to 1 - P_sink, which leaves
+      # Delta * P_sink more (Delta: the preprocess's rowsum(dO * o) - dlse).
       delta = rowsum_p_dp - dlse.astype(jnp.float32)
+      if sinks is not None:
+        delta = delta - sink_ops.sink_share(sinks, o, lse, do, dlse, visibility.row_is_valid(problem.q_seg))
       return _kernel_call("dbias_runs", static)(q, k, v, do, delta, *problem.kernel, *ops.arrays, *stats)
 
     dbias = _run_kernel_or_fallback(problem, dbias_on_cuda if kernel_dbias else pure_dbias, pure_dbias,
@@ -334,13 +359,14 @@ def _aux_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats):
   return dq, dk, dv, dbias
 
 
-def _pure_jax_backward(spec, q, k, v, bias, mask, problem, o, lse, do, dlse, stats=None):
+def _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats=None):
   """The pure-JAX backward inside the kernel backend, which gets q/k/v unsanitised (see
   ``Backend.reads_padding_safely``): padded input rows are zeroed first, and the padded rows of
   the gradients are zeroed after (what the select in front of the pure-JAX path does by its VJP).
   ``stats``: :class:`xla.RowStats` where the forward kept them."""
   q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
-  dq, dk, dv, dbias = xla.backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse, stats)
+  dq, dk, dv, dbias, _ = xla.backward(spec, q, k, v, bias, mask, *problem.rows(), o, lse, do, dlse, stats,
+                                      sinks=sinks, alibi=alibi)
   dq, dk, dv = visibility.zero_padded_inputs(dq, dk, dv, problem.q_seg, problem.k_seg)
   return dq, dk, dv, dbias
 

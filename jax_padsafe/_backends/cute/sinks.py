@@ -51,12 +51,22 @@ def forward(o, lse, sinks, q_valid, stats=None):
   return o_new, lse_new, (row_max, log_sum)
 
 
+def _p_sink_delta(sinks, o, lse, do, dlse, q_valid):
+  """``(P_sink, Delta)`` per row ``[B, N, T]``: the sink's probability and ``rowsum(dO * o) - dlse``, 0 where
+  the row has no softmax (padded, or neither keys nor a sink)."""
+  valid = q_valid[:, None, :] & (lse != -jnp.inf)
+  delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1).transpose(0, 2, 1) - dlse.astype(_F32)
+  p_sink = jnp.exp(_heads_rows(sinks) - jnp.where(valid, lse, 0.0))
+  return jnp.where(valid, p_sink, 0.0), jnp.where(valid, delta, 0.0)
+
+
+def sink_share(sinks, o, lse, do, dlse, q_valid):
+  """``P_sink * Delta`` per row ``[B, N, T]`` (see :func:`_p_sink_delta`)."""
+  p_sink, delta = _p_sink_delta(sinks, o, lse, do, dlse, q_valid)
+  return p_sink * delta
+
+
 def gradient(sinks, o, lse, do, dlse, q_valid):
   """d loss / d sinks ``[N]`` from the output ``o' [B, T, N, Hv]``, ``lse' [B, N, T]`` (sinks included) and the
   cotangents; padded rows contribute exactly 0 (selected out, whatever they hold)."""
-  sink = _heads_rows(sinks)
-  valid = q_valid[:, None, :] & (lse != -jnp.inf)
-  delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1).transpose(0, 2, 1)       # [B, N, T]
-  p_sink = jnp.exp(sink - jnp.where(valid, lse, 0.0))
-  terms = jnp.where(valid, p_sink * (dlse.astype(_F32) - delta), 0.0)
-  return jnp.sum(terms, axis=(0, 2)).astype(sinks.dtype)
+  return jnp.sum(-sink_share(sinks, o, lse, do, dlse, q_valid), axis=(0, 2)).astype(sinks.dtype)
