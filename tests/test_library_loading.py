@@ -128,8 +128,9 @@ def test_ffi_api_the_runtime_cannot_serve(monkeypatch, lib_api, runtime_api):
 
 
 def test_runtime_ffi_api_version_matches_jaxlib():
-  """Read from the running jaxlib's own header: jaxlib 0.10.2 serves XLA FFI API 0.3, 0.11.2 0.4, 0.12.0 0.5."""
-  known = {"0.10.2": (0, 3), "0.11.2": (0, 4), "0.12.0": (0, 5)}
+  """Read from the running jaxlib's own header: jaxlib 0.10.2 serves XLA FFI API 0.3, 0.11.2 0.4, 0.12.0 and
+  0.12.0.1 0.5."""
+  known = {"0.10.2": (0, 3), "0.11.2": (0, 4), "0.12.0": (0, 5), "0.12.0.1": (0, 5)}
   version = library.runtime_ffi_api_version()
   assert version is not None and version[0] == 0
   if jax.lib.__version__ in known:
