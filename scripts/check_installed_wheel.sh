@@ -7,8 +7,8 @@
 #   scripts/check_installed_wheel.sh WHEEL --jax "jax[cuda12]" # isolated venv, jax from the package index
 #   ... [--lowering-only] [--head-dims 64,128] [--keep]       # options of the check; --keep: keep the venv
 #
-# Default: a --system-site-packages venv that takes jax (with its CUDA plugin) and numpy from the Python
-# that runs this script, the wheel installed with --no-deps --no-index (no network needed). With --jax
+# Default: a venv that also sees the site-packages of the Python that runs this script (jax with its
+# CUDA plugin, numpy), the wheel installed with --no-deps --no-index (no network needed). With --jax
 # SPEC the venv is isolated and pip installs the wheel and SPEC. PYTHON (default python3) chooses the
 # interpreter. The check runs from an empty temporary folder, so no source tree can be imported.
 set -euo pipefail
@@ -34,7 +34,11 @@ python=${PYTHON:-python3}
 unset PYTHONPATH  # nothing but the venv decides where jax_padsafe comes from
 if [ -z "$jax_spec" ]; then
   "$python" -c "import jax, numpy; print('jax', jax.__version__, 'from', jax.__file__)"
-  "$python" -m venv --system-site-packages "$work/venv"
+  "$python" -m venv "$work/venv"
+  # The running Python's site-packages (where jax is), after the venv's own: --system-site-packages would
+  # give the base interpreter's instead where that Python is itself a virtual environment.
+  "$python" -c "import site; print('\n'.join(site.getsitepackages()))" \
+    > "$("$work/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_jps_parent.pth"
   "$work/venv/bin/python" -m pip install -q --no-deps --no-index "$wheel"
 else
   "$python" -m venv "$work/venv"

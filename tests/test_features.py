@@ -60,8 +60,10 @@ def test_sinks_window_segments(impl):
   contract(p, jnp.float32, impl)
 
 
-def test_sinks_with_bias_and_mask(impl):
-  """Sinks next to a bias (with -inf entries) and a boolean mask: both hide keys, the sink stays."""
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
+def test_sinks_with_bias_and_mask(impl, dtype):
+  """Sinks next to a bias (with -inf entries) and a boolean mask: both hide keys, the sink stays.  On the
+  kernels the bias gradient comes from the bias kind's kernels, whose Delta is corrected for the sink."""
   rng = np.random.default_rng(103)
   p = random_problem(rng, b=2, t=17, s=21, n=4, k=2, q_len=[17, 9], kv_len=[21, 13],
                      sinks=random_sinks(rng, 4))
@@ -70,7 +72,7 @@ def test_sinks_with_bias_and_mask(impl):
   p.bias = bias
   p.mask = rng.random((2, 1, 17, 21)) < 0.6
   p.mask[0, :, 3] = False  # a valid row whose every key is masked: lse = the sink
-  contract(p, jnp.float32, impl)
+  contract(p, dtype, impl)
 
 
 @pytest.mark.parametrize("sink", [1e4, -1e30, 30.0, -40.0], ids=["1e4", "-1e30", "30", "-40"])
@@ -256,6 +258,24 @@ def test_alibi_no_causal_softcap_bias_mask_sinks(impl):
   p.bias[rng.random(p.bias.shape) < 0.05] = -np.inf
   p.mask = rng.random((1, 4, 20, 26)) < 0.85
   contract(p, jnp.bfloat16, impl)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_alibi_bias_mask_sinks_several_tiles(impl, dtype, causal, request):
+  """ALiBi (per-sequence slopes, bottom-right offset) with a per-head bias, a mask and sinks over several
+  query and key tiles of the kernels, in the kernels' dtypes."""
+  if impl == "cute" and dtype == jnp.float16 and causal:
+    # The kernels' Delta gap (docs/design.md): the sinks' gradient sums P_sink * Delta over the rows, Delta
+    # from the output rounded to float16: 2.3x over the bound here (H100, 2026-11-26). Strict: the fix of the
+    # kernels' Delta turns this into a failure to remove.
+    request.applymarker(pytest.mark.xfail(strict=True, reason="sinks' gradient from the kernels' rounded-output Delta"))
+  rng = np.random.default_rng(124 + causal)
+  p = random_problem(rng, b=2, t=150, s=261, n=4, k=2, q_len=[150, 77], kv_len=[261, 140], causal=causal,
+                     bottom_right=True, alibi=random_slopes(rng, (2, 4)), sinks=random_sinks(rng, 4))
+  p.bias = rng.standard_normal((1, 4, 150, 261))
+  p.mask = rng.random((2, 1, 150, 261)) < 0.9
+  contract(p, dtype, impl)
 
 
 def test_alibi_segment_ids(impl):
