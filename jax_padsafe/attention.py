@@ -41,7 +41,7 @@ def dot_product_attention(
     query_segment_ids=None,
     key_value_segment_ids=None,
     return_lse: bool = False,
-    deterministic: bool = False,
+    deterministic: bool = True,
     block_k: int = 512,
     max_segments: int | None = None,
     sinks=None,
@@ -78,8 +78,10 @@ def dot_product_attention(
       query and key ids). Other layouts run on the pure-JAX path: chosen at trace time when the ids
       are concrete (``implementation="cute"`` then raises), at run time when they are traced.
     return_lse: also return the log-sum-exp ``[B, N, T]`` float32 (differentiable).
-    deterministic: gradients bitwise identical across repeated calls. The pure-JAX path always is;
-      GPU backward kernels that accumulate with atomics switch to an ordered reduction.
+    deterministic: ``True`` (default): gradients bitwise identical across repeated calls and bitwise
+      independent of padding. ``False`` allows a backward whose reductions add in arrival order where one
+      is offered (results then vary within rounding; poison still never reaches them). Every backward
+      today is deterministic, so both give the same results.
     block_k: keys per step of the pure-JAX blockwise loop (memory ~ ``T * block_k`` per head).
     max_segments: static bound on the segment-id runs per batch row that the kernels are sized for
       (their grid grows with it). Default: counted from concrete ids, else 32 for traced ids. Rows
@@ -159,7 +161,7 @@ def varlen_attention(
     softcap: float | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
-    deterministic: bool = False,
+    deterministic: bool = True,
     block_k: int = 512,
     sinks=None,
     alibi_slopes=None,

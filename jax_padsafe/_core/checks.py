@@ -162,7 +162,7 @@ def default_scale(head_dim: int) -> float:
 
 
 def make_spec(head_dim, scale, is_causal, local_window_size, softcap, block_k, *, bottom_right=False,
-              deterministic=False, sinks=False, alibi=False) -> AttentionSpec:
+              deterministic=True, sinks=False, alibi=False) -> AttentionSpec:
   """The checked static options of one call."""
   scale = check_scalar("scale", scale)
   if scale is None:

@@ -26,7 +26,7 @@ class AttentionSpec:
   # take the flag and compute the offset from their sequence lengths.
   bottom_right: bool = False
   # Bitwise-reproducible gradients (the pure-JAX path always is; kernels may use atomics otherwise).
-  deterministic: bool = False
+  deterministic: bool = True
   # Per-head sink logits are given (an array next to the bias): one more term in every row's softmax
   # denominator. Static, so that dispatch can tell without the array which backends take the call.
   sinks: bool = False
