@@ -231,21 +231,31 @@ def _add_bias(s_mn: cute.Tensor, c_mn: cute.Tensor, bias: cute.Tensor, q0, k0, q
 
 
 @cute.jit
-def _add_alibi(s_mn: cute.Tensor, c_mn: cute.Tensor, slope: cutlass.Float32, off: cutlass.Int32, q0, k0, q_len, k_len,
+def _add_alibi(s_mn: cute.Tensor, c_mn: cute.Tensor, slope: cutlass.Float32, off: cutlass.Int32, q0, k0,
                query_mode: cutlass.Constexpr):
-    """s -= slope * |i + off - j| inside the valid rectangle (ALiBi), from the indices: nothing is loaded.  The
-    distance is an exact integer (converted exactly below 2**24 keys), so each score takes one rounding in the
-    product and one in the sum, whatever the sequence length."""
-    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            i, j = _pair(c_mn, r, c, q0, k0, query_mode)
-            d = i + off - j
-            if d < 0:
-                d = -d
-            s = s_mn[r, c]
-            if i < q_len and j < k_len:
-                s = s - slope * cutlass.Float32(d)
-            s_mn[r, c] = s
+    """s -= slope * |i + off - j| (ALiBi), from the indices: nothing is loaded.  A fragment's row index depends
+    on its row only and its column index on its column only, so `i + off` and `j` are formed once per row and
+    per column as floats (exact below 2**24) and each score costs a subtraction and an FFMA with |.|: one
+    rounding in the product, one in the sum.  Pairs outside the valid rectangle get the term too; the caller's
+    visibility mask hides them (the term is finite)."""
+    rows = cute.size(s_mn, mode=[0])
+    cols = cute.size(s_mn, mode=[1])
+    # Queries' positions i + off and keys' j, along the fragment's rows and columns (swapped in query_mode 1).
+    row_pos = []
+    col_pos = []
+    if cutlass.const_expr(query_mode == 0):
+        for r in cutlass.range_constexpr(rows):
+            row_pos.append(cutlass.Float32(q0 + c_mn[r, 0][0] + off))
+        for c in cutlass.range_constexpr(cols):
+            col_pos.append(cutlass.Float32(k0 + c_mn[0, c][1]))
+    else:
+        for r in cutlass.range_constexpr(rows):
+            row_pos.append(cutlass.Float32(k0 + c_mn[r, 0][0]))
+        for c in cutlass.range_constexpr(cols):
+            col_pos.append(cutlass.Float32(q0 + c_mn[0, c][1] + off))
+    for r in cutlass.range_constexpr(rows):
+        for c in cutlass.range_constexpr(cols):
+            s_mn[r, c] = s_mn[r, c] - slope * cute.math.absf(row_pos[r] - col_pos[c])
 
 
 @cute.jit
@@ -311,7 +321,7 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
             off = cutlass.Int32(0)
             if (v.flags & FLAG_ALIBI_BOTTOM_RIGHT) != 0:
                 off = k_len - q_len
-            _add_alibi(s_mn, c_mn, v.slope, off, q0, k0, q_len, k_len, query_mode)
+            _add_alibi(s_mn, c_mn, v.slope, off, q0, k0, query_mode)
         if q_len > 0 and k_lim > 0:
             if cls == MIXED:
                 _apply_mask(s_mn, c_mn, v.mask, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
