@@ -335,3 +335,27 @@ def test_alibi_bad_shapes():
   with pytest.raises(ValueError, match="alibi_slopes"):
     jax_padsafe.varlen_attention(q[0], q[0], q[0], jnp.array([0, 3, 8]), jnp.array([0, 4, 8]),
                                  alibi_slopes=jnp.zeros((3, 4)))
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernel backend's own code for these features, on the CPU
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["sinks", "sinks_mask_alibi", "sinks_value_head_dim"])
+def test_kernel_backend_features_on_cpu(kernels_built, case):
+  """What the kernel backend does around the kernels, checked on the CPU, where its calls lower to the
+  pure-JAX fallback of ``lax.platform_dependent``: sinks joined to the results without sinks (``cute/sinks.py``,
+  the aux kernels' row statistics included), their gradient, ALiBi slopes in the aux operands, and a value
+  head dim zero-padded to a compiled width. The whole contract against the float64 oracle, poison included."""
+  rng = np.random.default_rng(130)
+  kw = dict(b=2, t=21, s=27, n=4, k=2, q_len=[21, 9], kv_len=[27, 0], causal=True, bottom_right=True,
+            sinks=random_sinks(rng, 4))
+  if case == "sinks_value_head_dim":
+    kw.update(h=72, hv=40)
+  if case == "sinks_mask_alibi":
+    kw["alibi"] = random_slopes(rng, (2, 4))
+  p = random_problem(rng, **kw)
+  if case == "sinks_mask_alibi":
+    p.mask = rng.random((2, 1, 21, 27)) < 0.8
+    p.mask[0, :, 4] = False  # a valid row whose every key is masked: lse = the sink
+  helpers.check_problem(p, jnp.bfloat16, "cute")
