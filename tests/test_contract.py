@@ -11,16 +11,7 @@ import pytest
 import jax.numpy as jnp
 
 from tests import helpers
-from tests.helpers import random_problem
-
-
-def contract(p, dtype, impl, **kw):
-  try:
-    return helpers.check_problem(p, dtype, impl, **kw)
-  except NotImplementedError as e:
-    if impl == "cute":
-      pytest.skip(f"not supported by the kernels: {e}")
-    raise
+from tests.helpers import contract, random_problem
 
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]

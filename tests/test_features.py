@@ -14,16 +14,7 @@ import pytest
 
 import jax_padsafe
 from tests import helpers
-from tests.helpers import random_problem
-
-
-def contract(p, dtype, impl, **kw):
-  try:
-    return helpers.check_problem(p, dtype, impl, **kw)
-  except NotImplementedError as e:
-    if impl == "cute":
-      pytest.skip(f"not supported by the kernels: {e}")
-    raise
+from tests.helpers import contract, random_problem
 
 
 def random_sinks(rng, n, *, special=True):
