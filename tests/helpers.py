@@ -225,6 +225,16 @@ def contract(p, dtype, impl, **kw):
     raise
 
 
+def contract_packed(d, dtype, impl, rng, **kw):
+  """:func:`check_packed`, skipped where ``impl="cute"`` names what the kernels do not take (as :func:`contract`)."""
+  try:
+    return check_packed(d, dtype, impl, rng, **kw)
+  except NotImplementedError as e:
+    if impl == "cute":
+      pytest.skip(f"not supported by the kernels: {e}")
+    raise
+
+
 def check_problem(p: oracle.Problem, dtype, impl, *, poisons=POISONS, seed=0, grads=True,
                   traced_ids=False, dirty=False, bias_dtype=jnp.float32):
   """The whole contract on one padded problem: oracle match (the accuracy rule), exact zeros,
