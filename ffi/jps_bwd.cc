@@ -60,7 +60,7 @@ ffi::Error Backward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, f
                     ffi::Result<ffi::AnyBuffer> &dv, ffi::Result<ffi::Buffer<ffi::F32>> &delta,
                     ffi::Result<ffi::Buffer<ffi::S32>> &tile_counters, float scale, float softcap, int32_t window_left,
                     int32_t window_right, int32_t causal, int32_t bottom_right, int32_t max_seqlen_q,
-                    int32_t max_seqlen_k, int32_t rows_covered, const AuxBackward *aux) {
+                    int32_t max_seqlen_k, int32_t rows_covered, int32_t partial_keys, const AuxBackward *aux) {
   jps::Problem p{};
   if (ffi::Error e = jps::CheckProblem(target, q, k, v, cu_q, cu_k, used_q, used_k, scale, softcap, max_seqlen_q,
                                        max_seqlen_k, &p);
@@ -139,6 +139,7 @@ ffi::Error Backward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, f
   a.dv = dv->untyped_data();
   a.dscale = scale;
   a.max_seqlen_k = max_seqlen_k;
+  a.partial_keys = partial_keys != 0;
   a.tile_counters = tile_counters->typed_data();
   if (aux) {
     jps::FillAuxArgs(&a, aux->operands, aux_flags, const_cast<float *>(aux->row_max->typed_data()),
@@ -147,8 +148,8 @@ ffi::Error Backward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, f
     // plain kernels' scores and their score_mul.
     if (p.aux == jps::kAuxKindBias) a.score_mul = scale;
   }
-  // The bias kind's dQ kernel, last, leaves rowsum(P dP) of the P and dP it recomputes in the Delta workspace
-  // (bwd_scores.store_exact_delta), for the bias gradient.
+  // The dQ kernel, last, leaves rowsum(P dP) of the P and dP it recomputes in the Delta workspace (kernels/common/
+  // dq_shift.py), for the bias and sinks gradients; not where partial_keys.
   int32_t rc = var->pre(var->pre_module, &a, stream);
   if (rc == 0) rc = var->dkdv(var->dkdv_module, &a, stream);         // dK and dV, or the dV pass
   if (rc == 0 && var->dk) rc = var->dk(var->dk_module, &a, stream);  // the dK pass (head_dim > 128, SM80-class)
@@ -165,10 +166,10 @@ ffi::Error BwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                       ffi::Result<ffi::Buffer<ffi::S32>> tile_counters, float scale, float softcap,
                       int32_t window_left, int32_t window_right, int32_t causal, int32_t bottom_right,
                       int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t /*deterministic: always*/,
-                      int32_t rows_covered) {
+                      int32_t rows_covered, int32_t partial_keys) {
   return Backward(kTarget, stream, q, k, v, o, lse, dout, dlse, cu_q, cu_k, used_q, used_k, dq, dk, dv, delta,
                   tile_counters, scale, softcap, window_left, window_right, causal, bottom_right, max_seqlen_q,
-                  max_seqlen_k, rows_covered, nullptr);
+                  max_seqlen_k, rows_covered, partial_keys, nullptr);
 }
 
 ffi::Error BwdAuxExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
@@ -188,7 +189,7 @@ ffi::Error BwdAuxExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                         &row_max, &log_sum};
   return Backward(kAuxTarget, stream, q, k, v, o, lse, dout, dlse, cu_q, cu_k, used_q, used_k, dq, dk, dv, delta,
                   tile_counters, scale, softcap, window_left, window_right, causal, bottom_right, max_seqlen_q,
-                  max_seqlen_k, rows_covered, &aux);
+                  max_seqlen_k, rows_covered, /*partial_keys=*/0, &aux);
 }
 
 // dbias, the bias gradient, summed over the bias's broadcast batch and head dimensions.  A target of its own (not
@@ -300,7 +301,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_bwd_execute, BwdExecute,
                                   .Attr<int32_t>("max_seqlen_q")
                                   .Attr<int32_t>("max_seqlen_k")
                                   .Attr<int32_t>("deterministic")
-                                  .Attr<int32_t>("rows_covered"),
+                                  .Attr<int32_t>("rows_covered")
+                                  .Attr<int32_t>("partial_keys"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // The aux target (initialize: jps_bwd_initialize, which loads every backward module of the arch).

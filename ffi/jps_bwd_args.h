@@ -16,6 +16,9 @@ struct JpsBwdArgs {
   int32_t window_left, window_right;  // -1: unbounded; causal is folded into window_right
   int32_t bottom_right;
   int32_t max_seqlen_q, max_seqlen_k;
+  // 1: the call's keys are only part of each row's softmax (a ring attention step): the dQ kernel then neither
+  // shifts dQ to a reference key nor leaves rowsum(P dP) in `delta` (kernels/common/dq_shift.py).
+  int32_t partial_keys;
   // [2], zeroed by the handler where a compact schedule may run: the Hopper family's tile queues ([0] the
   // dK/dV kernel's, [1] the dQ kernel's); unused by the SM80-class family.
   int32_t *tile_counters;

@@ -671,7 +671,7 @@ def _block_backward(cfg, qa, kb, vb, qsa, ksb, qpa, kpb, oa, la, doa, dla):
         # With the ring's final lse (and Delta from the final o), each pair's P and dS are the
         # pair's share of the full softmax's, so the partial gradients just add up.
         g = bwd(qa, kb, vb, oa.astype(qa.dtype), la, doa.astype(qa.dtype), dla.astype(_F32),
-                *runs, deterministic=spec.deterministic,
+                *runs, deterministic=spec.deterministic, partial_keys=True,
                 **_kernel_static(cfg, causal, qa.shape[1], kb.shape[1]))
         return tuple(x.astype(_F32) for x in g)
       return run
@@ -804,7 +804,7 @@ def _grouped_backward_call(cfg, causal, spans, q, kc, vc, o, lse, do, dlse, q_va
   def on_cuda(q, kc, vc, o, lse, do, dlse):
     bwd = partitioning.packed_backward_to_runs(cute_backward.flash_backward)
     g = bwd(q, kc, vc, o.astype(q.dtype), lse, do.astype(q.dtype), dlse.astype(_F32), *runs,
-            deterministic=cfg.spec.deterministic, **_kernel_static(cfg, causal, tq, tk))
+            deterministic=cfg.spec.deterministic, partial_keys=True, **_kernel_static(cfg, causal, tq, tk))
     return tuple(x.astype(_F32) for x in g)
 
   return lax.platform_dependent(*operands, cuda=on_cuda, default=pure_jax)

@@ -78,6 +78,14 @@ def dtype_for(impl, dtype):
   return dtype
 
 
+def random_sinks(rng, n, *, special=True):
+  """Sink logits around the logits' scale; with ``special`` one head without a sink (-inf)."""
+  sinks = rng.normal(0.5, 1.5, size=n)
+  if special:
+    sinks[rng.integers(n)] = -np.inf
+  return sinks
+
+
 def random_problem(rng, *, b=2, t=33, s=47, n=4, k=2, h=64, hv=None, q_len=None, kv_len=None, **kw):
   """A random padded problem; ``hv``: the value head dim (default ``h``)."""
   q_len = np.asarray(q_len if q_len is not None else rng.integers(0, t + 1, size=b), np.int32)

@@ -64,6 +64,7 @@ def test_lengths_path_promises_covered_rows_and_skips_input_sanitising(kernels_b
   text = _lowered(jax.grad(loss, (0, 1, 2)), *_qkv())
   assert _targets(text) == [TARGET, "jax_padsafe_bwd"]
   assert _rows_covered(text) == [1, 1]
+  assert re.findall(r"partial_keys = (\d+) : i32", text) == ["0"]  # every key of each row: dQ shifted
   big_selects = re.findall(r"stablehlo\.select .*tensor<2x(?:16|24)x\d+x64xi1>", text)
   assert not big_selects
   assert re.findall(r"stablehlo\.select", _lowered(jax.grad(loss, (0, 1, 2)), *_qkv(), platform="cpu"))
@@ -371,6 +372,8 @@ def test_ring_chunk_pairs_lower_to_kernels(kernels_built, causal):
   calls = 3 if causal else 2
   assert text.count(f"@{TARGET}") == calls and text.count("@jax_padsafe_bwd") == calls
   assert "stablehlo.sort" not in text
+  # Each pair's keys are one block of each row's softmax: the dQ kernel's reference-key shift is off.
+  assert re.findall(r"partial_keys = (\d+) : i32", text) == ["1"] * calls
   # Segment ids keep the per-pair path: a run-time route per pair, two kernel alternatives each.
   ids = jnp.zeros((2, 32), jnp.int32)
   text = _lowered(lambda q, k, v: sharding.ring_attention(

@@ -22,7 +22,7 @@ import pytest
 
 import jax_padsafe
 from tests import oracle
-from tests.helpers import contract, random_problem
+from tests.helpers import contract, random_problem, random_sinks
 
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -93,24 +93,30 @@ def cancellation_problem(seed, causal, bias):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_cancellation(impl, dtype, causal, request):
-  """dQ of keys with a shared large component: Delta must agree with the recomputed P and dP."""
-  if impl == "cute":
-    # A known gap of the backward kernels (both families): they form Delta from the output rounded to
-    # bf16/fp16, and P before P V is rounded too, so sum_j dS_j is not ~0 and dQ misses the bound by
-    # 4-10x (H200, 2026-11-26). Strict: the fix in the kernels' backward turns this into a failure to remove.
-    request.applymarker(pytest.mark.xfail(strict=True, reason="backward kernels form Delta from the low-precision output"))
+def test_cancellation(impl, dtype, causal):
+  """dQ of keys with a shared large component: Delta's error must not reach dQ times that component (the
+  kernels form Delta from the output rounded to bf16/fp16 and shift dQ to a reference key; the pure-JAX path
+  corrects dQ to rowsum(P * dP))."""
   contract(cancellation_problem(33, causal, bias=False), dtype, impl)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_cancellation_logits_minus_120(impl, dtype, request):
+def test_cancellation_logits_minus_120(impl, dtype):
   """The same with logits around -120 (through a bias), lse differentiated as well."""
-  if impl == "cute":
-    # The bias runs on the kernels' aux variants, whose backward has the same Delta preprocess: dQ misses
-    # the bound by ~10x (H100, 2026-11-26). Strict, as above.
-    request.applymarker(pytest.mark.xfail(strict=True, reason="backward kernels form Delta from the low-precision output"))
   contract(cancellation_problem(34, True, bias=True), dtype, impl)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
+def test_cancellation_with_sinks(impl, dtype, masked):
+  """The same with sinks (the keys' P then sum to 1 - P_sink, and the sinks' gradient reads Delta), with and
+  without a mask (the kernels' plain and mask kinds), lse differentiated as well."""
+  rng = np.random.default_rng(35 + masked)
+  p = cancellation_problem(35 + masked, True, bias=False)
+  p.sinks = random_sinks(rng, 4)
+  if masked:
+    p.mask = rng.random((2, 1, 24, 40)) < 0.8
+  contract(p, dtype, impl)
 
 
 def test_delta_from_probabilities():

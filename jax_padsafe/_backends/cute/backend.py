@@ -270,24 +270,27 @@ def cute_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, 
   sinks, ``o`` and ``lse`` (and the row statistics) are the forward's, sinks included, from which the
   kernels recompute the probabilities with the sink, and the sinks' gradient is :func:`sinks.gradient`."""
   h, hv = q.shape[-1], v.shape[-1]
-  dsinks = None
-  if sinks is not None:
-    dsinks = sink_ops.gradient(sinks, o, lse, do, dlse, visibility.row_is_valid(problem.q_seg))
+  o_given, do_given = o, do
   width = kernel_width(spec, q, v, aux=_uses_aux(bias, mask, alibi), direction="backward")
   if width is not None and (width != h or width != hv):
     q, k, v, o, do = (widen(x, width) for x in (q, k, v, o, do))
-  dq, dk, dv, dbias = _backward_compiled_width(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse,
-                                               stats)
+  dq, dk, dv, dbias, rowsum_p_dp = _backward_compiled_width(spec, q, k, v, bias, mask, sinks, alibi, problem, o,
+                                                            lse, do, dlse, stats)
+  dsinks = None
+  if sinks is not None:
+    dsinks = sink_ops.gradient(sinks, o_given, lse, do_given, dlse, visibility.row_is_valid(problem.q_seg),
+                               rowsum_p_dp)
   return dq[..., :h], dk[..., :h], dv[..., :hv], dbias, dsinks
 
 
 def _backward_compiled_width(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats=None):
-  """``(dq, dk, dv, dbias)`` of :func:`cute_backward` for head dims the kernels are compiled for (or the
-  pure-JAX backward)."""
+  """``(dq, dk, dv, dbias, rowsum_p_dp)`` of :func:`cute_backward` for head dims the kernels are compiled for (or
+  the pure-JAX backward); ``rowsum_p_dp`` ``[B, N, T]``: where the sinks' gradient takes its Delta from (see
+  :func:`sinks.gradient`), None for ``rowsum(dO * o)``."""
   if _uses_aux(bias, mask, alibi):
     return _aux_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats)
   if not backward_supported(spec, q, k):
-    return _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse)
+    return _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse) + (None,)
   static = tuple(sorted(dict(_problem_static_args(spec, problem),
                              deterministic=spec.deterministic).items()))
 
@@ -304,20 +307,20 @@ def _backward_compiled_width(spec, q, k, v, bias, mask, sinks, alibi, problem, o
 
   do = do.astype(q.dtype)
   dq, dk, dv = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v, o, lse, do, dlse)
-  return dq, dk, dv, None
+  return dq, dk, dv, None, None
 
 
 def _aux_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats):
   """The backward of :func:`_aux_forward`: dQ, dK, dV on the aux kernels from its exact row statistics;
   dbias (when there is a bias) from the bias gradient kernel (a call of its own, which XLA drops where
   dbias is unused), or from the pure-JAX backward where that kernel does not apply (a bias broadcast
-  over queries, a library without it)."""
+  over queries, a library without it); with sinks, the kernels' rowsum(P * dP) for their gradient."""
   b, t, n, _ = q.shape
   num_kv = k.shape[2]
   if stats is None or not library.backward_available() or library.unsupported_reason(
       dtype=q.dtype, head_dim=q.shape[-1], num_heads=n, num_kv_heads=num_kv, causal=spec.causal,
       window=spec.has_window, softcap=spec.softcap, aux=True, direction="backward") is not None:
-    return _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse)
+    return _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse) + (None,)
   stats, summary = stats[:2], stats[2:]
   row_stats = xla.row_stats_from_kernels(o, *stats, num_kv)
   ops = aux_ops.operands(bias, mask, summary=summary, alibi_slopes=_kernel_slopes(alibi))
@@ -326,8 +329,12 @@ def _aux_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, 
 
   kernel_dbias = bias is not None and bias.shape[2] == t and library.dbias_available(q.dtype, q.shape[-1])
 
+  # The dQ kernel leaves rowsum(P dP) in its Delta workspace: returned where dbias or the sinks' gradient
+  # takes it.
+  want_rowsum = kernel_dbias or sinks is not None
+
   def on_cuda(q, k, v, o, lse, do, dlse):
-    if kernel_dbias:
+    if want_rowsum:
       return _kernel_call("bwd_aux_delta_runs", static)(q, k, v, o, lse, do, dlse.astype(jnp.float32),
                                                         *problem.kernel, *ops.arrays, *stats)
     return _kernel_call("bwd_aux_runs", static)(q, k, v, o, lse, do, dlse.astype(jnp.float32), *problem.kernel,
@@ -335,7 +342,9 @@ def _aux_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, 
 
   def elsewhere(q, k, v, o, lse, do, dlse):
     grads = _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, row_stats)[:3]
-    return grads + (jnp.zeros((b, n, t), jnp.float32),)  # Delta: read by the kernels only
+    # rowsum(P dP) as the pure-JAX path knows it (dbias does not read it there).
+    rowsum = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+    return grads + (rowsum,)
 
   do = do.astype(q.dtype)
   dq, dk, dv, delta = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v, o, lse, do, dlse)
@@ -346,17 +355,13 @@ def _aux_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, 
       return _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, row_stats)[3]
 
     def dbias_on_cuda(q, k, v, o, lse, do, dlse, rowsum_p_dp):
-      # The bias kind's dQ kernel leaves Delta + sum_j dS_j in the Delta workspace: rowsum(P dP) of its
-      # recomputed P and dP where the keys' P sum to 1. With sinks they sum to 1 - P_sink, which leaves
-      # Delta * P_sink more (Delta: the preprocess's rowsum(dO * o) - dlse).
+      # Delta = rowsum(P dP) - dlse, with and without sinks (a sink has no value).
       delta = rowsum_p_dp - dlse.astype(jnp.float32)
-      if sinks is not None:
-        delta = delta - sink_ops.sink_share(sinks, o, lse, do, dlse, visibility.row_is_valid(problem.q_seg))
       return _kernel_call("dbias_runs", static)(q, k, v, do, delta, *problem.kernel, *ops.arrays, *stats)
 
     dbias = _run_kernel_or_fallback(problem, dbias_on_cuda if kernel_dbias else pure_dbias, pure_dbias,
                                     q, k, v, o, lse, do, dlse, delta)
-  return dq, dk, dv, dbias
+  return dq, dk, dv, dbias, delta if sinks is not None else None
 
 
 def _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats=None):

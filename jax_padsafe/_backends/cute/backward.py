@@ -30,14 +30,19 @@ TARGET_NAME = library.BACKWARD_TARGET
 def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *,
                    max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, bottom_right: bool,
                    window_left: int, window_right: int, softcap: float, deterministic: bool = False,
-                   rows_covered: bool = False, aux=None, stats=None, return_delta: bool = False):
+                   rows_covered: bool = False, aux=None, stats=None, return_delta: bool = False,
+                   partial_keys: bool = False):
   """Gradients (dq, dk, dv) of `forward.flash_forward` on the packed layout; see the module docstring.
 
   ``aux`` and ``stats``: the forward's mask / bias operands and the exact row statistics
   ``(row_max, log_sum)`` its aux target returned (P is recomputed as ``exp(s - row_max - log_sum)``, exact
   for any finite bias however large); dbias is :func:`flash_dbias`'s (``return_delta=True`` returns the
-  Delta workspace as a fourth result: with a bias it holds ``rowsum(P * dP)`` of the recomputed P and dP,
-  from which ``flash_dbias``'s Delta is that minus dlse).
+  Delta workspace as a fourth result: it holds ``rowsum(P * dP)`` of the recomputed P and dP for every valid
+  row, from which ``flash_dbias``'s Delta is that minus dlse, and the sinks' gradient takes its Delta).
+
+  The dQ kernel computes dQ against a reference key of each sequence (``kernels/common/dq_shift.py``), which
+  needs every key of each row's softmax in the call; ``partial_keys=True`` (a ring attention step, whose
+  keys are one block of the row's) turns that off, and the workspace then holds nothing of use.
 
   `rows_covered=True` promises that cu_seqlens_q/k start at 0, end at total_q/total_k, and have no
   segment longer than max_seqlen_q/k: then the kernels' tiles cover every row, and kernels that zero
@@ -74,10 +79,14 @@ def flash_backward(q, k, v, o, lse, do, dlse, cu_seqlens_q, cu_seqlens_k, sequse
               cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
   attrs = {}
   if aux is not None:
+    if partial_keys:
+      raise ValueError("flash_backward: partial_keys is for the plain target (ring attention), not with aux")
     if stats is None:
       raise ValueError("flash_backward: a mask or bias needs the forward's row statistics (stats=)")
     operands += aux.arrays + tuple(x.astype(jnp.float32) for x in stats)
     attrs = {name: np.int32(flag) for name, flag in aux.flags.items()}
+  else:
+    attrs = {"partial_keys": np.int32(bool(partial_keys))}
   call = jax.ffi.ffi_call(
       library.BACKWARD_AUX_TARGET if aux is not None else TARGET_NAME,
       (jax.ShapeDtypeStruct((total_q, n, h), q.dtype), jax.ShapeDtypeStruct((total_k, kh, h), q.dtype),

@@ -6,7 +6,8 @@ with every weight scaled by ``exp(lse - lse')``. In the backward, the kernels ta
 recompute ``P = exp(s - lse')``, the probabilities *with* the sink, and ``Delta = rowsum(dO * o')`` is
 ``sum_j P_j dP_j`` (the sink has no value, so its ``dP`` is 0), so dQ, dK and dV come out exact without a
 change to any kernel. The sink's own gradient is ``sum_i P_sink,i (dlse_i - Delta_i)`` over valid rows, with
-``P_sink = exp(sink - lse')``.
+``P_sink = exp(sink - lse')``; where the kernels leave ``rowsum(P * dP)`` (the aux kernels), Delta is formed
+from it rather than from ``o'`` rounded to float16 / bfloat16.
 
 Every combination is a select on the row's state (valid with keys, valid without keys, padded), never a
 multiplication by a mask: a valid row without keys gets ``o' = 0`` and ``lse' = sink`` (``-inf`` where the
@@ -51,22 +52,27 @@ def forward(o, lse, sinks, q_valid, stats=None):
   return o_new, lse_new, (row_max, log_sum)
 
 
-def _p_sink_delta(sinks, o, lse, do, dlse, q_valid):
+def _p_sink_delta(sinks, o, lse, do, dlse, q_valid, rowsum_p_dp=None):
   """``(P_sink, Delta)`` per row ``[B, N, T]``: the sink's probability and ``rowsum(dO * o) - dlse``, 0 where
-  the row has no softmax (padded, or neither keys nor a sink)."""
+  the row has no softmax (padded, or neither keys nor a sink).  ``rowsum_p_dp`` ``[B, N, T]``: the kernels'
+  ``rowsum(P * dP)`` of their recomputed P and dP, the same quantity in float32 throughout, taken instead of
+  ``rowsum(dO * o)`` from ``o`` rounded to its dtype."""
   valid = q_valid[:, None, :] & (lse != -jnp.inf)
-  delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1).transpose(0, 2, 1) - dlse.astype(_F32)
+  if rowsum_p_dp is None:
+    rowsum_p_dp = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1).transpose(0, 2, 1)
+  delta = rowsum_p_dp.astype(_F32) - dlse.astype(_F32)
   p_sink = jnp.exp(_heads_rows(sinks) - jnp.where(valid, lse, 0.0))
   return jnp.where(valid, p_sink, 0.0), jnp.where(valid, delta, 0.0)
 
 
-def sink_share(sinks, o, lse, do, dlse, q_valid):
+def sink_share(sinks, o, lse, do, dlse, q_valid, rowsum_p_dp=None):
   """``P_sink * Delta`` per row ``[B, N, T]`` (see :func:`_p_sink_delta`)."""
-  p_sink, delta = _p_sink_delta(sinks, o, lse, do, dlse, q_valid)
+  p_sink, delta = _p_sink_delta(sinks, o, lse, do, dlse, q_valid, rowsum_p_dp)
   return p_sink * delta
 
 
-def gradient(sinks, o, lse, do, dlse, q_valid):
+def gradient(sinks, o, lse, do, dlse, q_valid, rowsum_p_dp=None):
   """d loss / d sinks ``[N]`` from the output ``o' [B, T, N, Hv]``, ``lse' [B, N, T]`` (sinks included) and the
-  cotangents; padded rows contribute exactly 0 (selected out, whatever they hold)."""
-  return jnp.sum(-sink_share(sinks, o, lse, do, dlse, q_valid), axis=(0, 2)).astype(sinks.dtype)
+  cotangents (``rowsum_p_dp``: see :func:`_p_sink_delta`); padded rows contribute exactly 0 (selected out,
+  whatever they hold)."""
+  return jnp.sum(-sink_share(sinks, o, lse, do, dlse, q_valid, rowsum_p_dp), axis=(0, 2)).astype(sinks.dtype)

@@ -62,10 +62,10 @@ _BWD = {
                       "a->max_seqlen_k"),
     "dq": Signature((Tensor("mQ", _Q % "q"), Tensor("mK", _K % "k"), Tensor("mV", _K % "v"),
                      Tensor("mdO", _Q % "dout"), Tensor("mLSE", _R % "lse"), Tensor("mDelta", _R % "delta"),
-                     Tensor("mdQ", _Q % "dq"), Tensor("mCuQ", _CU % "cu_q"), Tensor("mCuK", _CU % "cu_k"),
+                     Tensor("mdLSE", _R % "dlse"), Tensor("mdQ", _Q % "dq"), Tensor("mCuQ", _CU % "cu_q"), Tensor("mCuK", _CU % "cu_k"),
                      Tensor("mUsedQ", _US % "used_q"), Tensor("mUsedK", _US % "used_k")),
                     "a->score_mul, a->cap_mul, a->dscale, a->window_left, a->window_right, a->bottom_right, "
-                    "a->max_seqlen_q"),
+                    "a->max_seqlen_q, a->partial_keys"),
 }
 # The dV and dK passes of a split sm80 variant have the dK/dV kernel's signature.
 _BWD["dv"] = _BWD["dk"] = _BWD["dkdv"]
@@ -301,8 +301,8 @@ def _compile_bwd(v: Variant, out: str) -> dict:
         dkdv = cute.compile(kern, x3(), x3(), x3(), x3(), f2(), f2(), x3(), x3(), i1(), i1(), i1(), i1(), *counter,
                             *aux(), 1.0, 1.0, 1.0, 0, 0, 0, 1, *flags, make_fake_stream(), options=opts)
         _export(dkdv, out, f"{p}_{kind}")
-    dq = cute.compile(dq_kernel, x3(), x3(), x3(), x3(), f2(), f2(), x3(), i1(), i1(), i1(), i1(), *counter,
-                      *aux(), 1.0, 1.0, 1.0, 0, 0, 0, 1, *flags, make_fake_stream(), options=opts)
+    dq = cute.compile(dq_kernel, x3(), x3(), x3(), x3(), f2(), f2(), f2(), x3(), i1(), i1(), i1(), i1(), *counter,
+                      *aux(), 1.0, 1.0, 1.0, 0, 0, 0, 1, 0, *flags, make_fake_stream(), options=opts)
     _export(dq, out, p + "_dq")
     if "dbias" in v.kernels:
         _compile_dbias(v, out, x3, f2, i1)

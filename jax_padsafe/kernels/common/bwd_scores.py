@@ -7,8 +7,7 @@
 * `dscores`: dS = P * (dP - Delta) [* (1 - tanh^2)], 0 by select wherever P = 0.
 * `load_row_stats_exact` / `probs_exact`: the same for the aux kernels (masks and biases as tensors),
   from the forward's separate row max m and ln l, with s - m formed first (see softmax.py).
-* `add_row_sums` / `store_exact_delta`: the dQ kernels' "bias" kind leaves rowsum(P * dP) of the P and dP it
-  recomputed in the Delta workspace, for the bias gradient (see store_exact_delta).
+* The dQ kernels' row sums of P and dS (for dQ against a reference key and rowsum(P * dP)) are dq_shift's.
 """
 
 import math
@@ -16,7 +15,6 @@ import math
 import cutlass
 import cutlass.cute as cute
 
-from .softmax import quad_allreduce
 
 LOG2_E = math.log2(math.e)
 
@@ -104,6 +102,13 @@ def probs_and_dscale(
             s_mn[r, c] = p
 
 
+def _tree_sum(values: list):
+    """The sum of a trace-time list of Float32 values, pairwise."""
+    while len(values) > 1:
+        values = [values[i] + values[i + 1] if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
+    return values[0]
+
+
 @cute.jit
 def dscores(
     p_mn: cute.Tensor,
@@ -112,59 +117,32 @@ def dscores(
     delta: cute.Tensor,
     query_mode: cutlass.Constexpr,
     has_softcap: cutlass.Constexpr,
+    sums=None,
 ):
     """In place dp <- P * (dP - Delta) [* (1 - tanh^2)].  Where P = 0 (masked, padded, empty rows)
-    the result is a select to 0, so nothing from dP reaches it."""
+    the result is a select to 0, so nothing from dP reaches it.  `sums` (the dQ kernels, queries as rows):
+    dq_shift.make_sums' row sums, added to here."""
     for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
+        terms = ([], [], [])  # this row's u, P and P (1 - tanh^2), summed as a tree (short dependency chains)
         for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
             x = r if cutlass.const_expr(query_mode == 0) else c
             p = p_mn[r, c]
             ds = p * (dp_mn[r, c] - delta[x])
+            u = ds
             if cutlass.const_expr(has_softcap):
                 ds = ds * t_mn[r, c]
             if p == cutlass.Float32(0.0):
                 ds = cutlass.Float32(0.0)
+                u = cutlass.Float32(0.0)
             dp_mn[r, c] = ds
-
-
-@cute.jit
-def add_row_sums(ds_mn: cute.Tensor, sums: cute.Tensor):
-    """sums[r] += the sum of row r of this thread's dS fragment (queries are rows)."""
-    for r in cutlass.range_constexpr(cute.size(ds_mn, mode=[0])):
-        acc = sums[r]
-        for c in cutlass.range_constexpr(cute.size(ds_mn, mode=[1])):
-            acc = acc + ds_mn[r, c]
-        sums[r] = acc
-
-
-@cute.jit
-def store_exact_delta(
-    mDelta: cute.Tensor,
-    sums: cute.Tensor,
-    delta: cute.Tensor,
-    head: cutlass.Int32,
-    q_start: cutlass.Int32,
-    q_len: cutlass.Int32,
-    row0: cutlass.Int32,
-    coords: cute.Tensor,
-):
-    """Delta := Delta + sum_j dS_j = rowsum(P * dP) for this thread's rows (valid rows only; one lane of each
-    quad writes).
-
-    The preprocess forms Delta = rowsum(dO * O) - dlse from O rounded to the input dtype, which differs from
-    rowsum(P * dP) of the P and dP the backward recomputes by the rounding of P in the forward's P V, times dP:
-    when the values share a large component, dP_j - Delta is a small difference of large terms and that
-    rounding is all of it.  With sum_j P_j = 1, Delta + sum_j dS_j = rowsum(P * dP) to float32 rounding (the
-    dQ kernel owns every key tile of its rows, so it can form it); the caller subtracts dlse for the bias
-    gradient.  Only the dQ kernel, launched last, writes it: the dK/dV kernel has read Delta before.  A row
-    whose query tile visits no key tile may keep the preprocess's value: its P is 0 everywhere, so no dS
-    reads it.  `sums` are this thread's add_row_sums partials, reduced over the quad that shares each row."""
-    lane = cute.arch.lane_idx()
-    for r in cutlass.range_constexpr(cute.size(sums)):
-        total = quad_allreduce(sums[r], lambda a, b: a + b)
-        i = row0 + coords[r, 0][0]
-        if i < q_len and lane % 4 == 0:
-            mDelta[head, q_start + i] = delta[r] + total
+            if cutlass.const_expr(sums is not None):
+                terms[0].append(u)
+                terms[1].append(p)
+                if cutlass.const_expr(has_softcap):
+                    terms[2].append(p * t_mn[r, c])
+        if cutlass.const_expr(sums is not None):
+            for k in cutlass.range_constexpr(3 if has_softcap else 2):
+                sums[k][r] = sums[k][r] + _tree_sum(terms[k])
 
 
 # ---------------------------------------------------------------- the aux kernels (natural-unit scores)

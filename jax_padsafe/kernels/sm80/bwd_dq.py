@@ -10,8 +10,13 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from ..common import aux_scores, bounds, bwd_scores, masking, tiles
+from ..common import aux_scores, bounds, bwd_scores, dq_shift, masking, tiles
 from . import bwd_common as bc
+
+
+def kref_layout(dtype, head_dim: int):
+    """A buffer of `dtype` elements holding head_dim float32 values (dQ's reference key)."""
+    return cute.make_layout(head_dim * 32 // dtype.width)
 
 
 class BwdDQ(bc.BwdBase):
@@ -26,6 +31,7 @@ class BwdDQ(bc.BwdBase):
         mdO: cute.Tensor,
         mLSE: cute.Tensor,
         mDelta: cute.Tensor,
+        mdLSE: cute.Tensor,
         mdQ: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
@@ -38,6 +44,7 @@ class BwdDQ(bc.BwdBase):
         window_right: cutlass.Int32,
         bottom_right: cutlass.Int32,
         max_seqlen_q: cutlass.Int32,
+        partial_keys: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         dtype = self.dtype
@@ -45,15 +52,16 @@ class BwdDQ(bc.BwdBase):
         sK_layout = tiles.smem_layout(dtype, self.block_n, self.head_dim)
         names = ["sK", "sV", "sK1", "sV1"]
         SharedStorage = bc.smem_tiles_struct(
-            dtype, dict([("sQ", sQ_layout), ("sdO", sQ_layout)] + [(n, sK_layout) for n in names]))
+            dtype, dict([("sQ", sQ_layout), ("sdO", sQ_layout)] + [(n, sK_layout) for n in names]
+                        + [("sKref", kref_layout(dtype, self.head_dim))]))
 
         copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
         copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
         tiled_mma = bc.make_mma(dtype, self.num_threads)
         grid = (cute.ceil_div(max_seqlen_q, self.block_m), cute.size(mQ.shape[1]), cute.size(mUsedQ.shape[0]))
         self.kernel(
-            mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK,
-            score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
+            mQ, mK, mV, mdO, mLSE, mDelta, mdLSE, mdQ, mCuQ, mCuK, mUsedQ, mUsedK,
+            score_mul, cap_mul, dscale, window_left, window_right, bottom_right, partial_keys,
             sQ_layout, sK_layout, copy_in, copy_out, tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -66,6 +74,7 @@ class BwdDQ(bc.BwdBase):
         mdO: cute.Tensor,
         mLSE: cute.Tensor,
         mDelta: cute.Tensor,
+        mdLSE: cute.Tensor,
         mdQ: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
@@ -77,6 +86,7 @@ class BwdDQ(bc.BwdBase):
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
         bottom_right: cutlass.Int32,
+        partial_keys: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         copy_in: cute.TiledCopy,
@@ -86,7 +96,7 @@ class BwdDQ(bc.BwdBase):
     ):
         self.body(mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul, dscale,
                   window_left, window_right, bottom_right, sQ_layout, sK_layout, copy_in, copy_out, tiled_mma,
-                  SharedStorage)
+                  SharedStorage, (mdLSE, partial_keys))
 
     @cute.jit
     def body(
@@ -114,9 +124,11 @@ class BwdDQ(bc.BwdBase):
         copy_out: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        shift_args,
         aux_in=None,
     ):
-        """One query tile.  `aux_in` (aux variant only): see bwd_common.aux_view."""
+        """One query tile.  `shift_args` (mdLSE, partial_keys): dQ against a reference key, and rowsum(P dP)
+        into mDelta (dq_shift).  `aux_in` (aux variant only): see bwd_common.aux_view."""
         BM = self.block_m
         BN = self.block_n
         HD = self.head_dim
@@ -154,6 +166,8 @@ class BwdDQ(bc.BwdBase):
             sVs = [storage.sV.get_tensor(sK_layout)]
             sKs.append(storage.sK1.get_tensor(sK_layout))
             sVs.append(storage.sV1.get_tensor(sK_layout))
+            # dQ's reference key (dq_shift.reference_key), float32 per column in a buffer of the input dtype.
+            sKref = cute.recast_tensor(storage.sKref.get_tensor(kref_layout(self.dtype, HD)), cutlass.Float32)
 
             thr_in = copy_in.get_slice(tidx)
             tQsQ = thr_in.partition_D(sQ)
@@ -199,10 +213,10 @@ class BwdDQ(bc.BwdBase):
             else:
                 bwd_scores.load_row_stats(mLSE, mDelta, head, q_start, q_len, m0, cS_mn, lse2, delta, 0)
 
-            dsum = None
-            if cutlass.const_expr(self.aux == "bias"):
-                dsum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)  # rowsum of dS (store_exact_delta)
-                dsum.fill(0.0)
+            sums = dq_shift.make_sums(n_rows, self.has_softcap)
+            mdLSE, partial_keys = shift_args
+            dlse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            dq_shift.load_dlse(mdLSE, head, q_start, q_len, m0, cS_mn, partial_keys, dlse)
 
             total = n_max - n_min
             tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gQ), tQsQ, tQcQ, m0, q_len)
@@ -213,6 +227,13 @@ class BwdDQ(bc.BwdBase):
                 tiles.load_rows_zero_fill(copy_in, tVgV[None, None, None, n_max - 1], tVsV[0], tKcK,
                                           (n_max - 1) * BN, k_len)
             cute.arch.cp_async_commit_group()
+            if total > 0:
+                # dQ's reference key from the first key tile (n_max - 1) once it has landed; the loop's barriers
+                # order these stores before the epilogue reads them.
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                dq_shift.reference_key(sKs[0], cutlass.min(k_len - (n_max - 1) * BN, BN), sKref, tidx,
+                                       self.num_threads, HD)
 
             for pair in cutlass.range((total + 1) // 2, unroll=1):
                 for par in cutlass.range_constexpr(2):
@@ -260,18 +281,18 @@ class BwdDQ(bc.BwdBase):
                         acc_dP.fill(0.0)
                         bc.gemm_ss(tiled_mma, acc_dP, copy_a, tPsdO, tPrdO_v, tPrdO, copy_b, tPsV[st], tPrV_v, tPrV)
                         bwd_scores.dscores(s_mn, masking.acc_mn_view(acc_dP), masking.acc_mn_view(acc_T), delta, 0,
-                                   self.has_softcap)
-                        if cutlass.const_expr(self.aux == "bias"):
-                            bwd_scores.add_row_sums(masking.acc_mn_view(acc_dP), dsum)
+                                           self.has_softcap, sums)
                         rdS = cute.make_fragment_like(acc_dP, self.dtype)
                         rdS.store(acc_dP.load().to(self.dtype))
                         bc.gemm_rs(tiled_mma, acc_dQ, cute.make_tensor(rdS.iterator, bc.c_to_a_layout(rdS.layout)),
                                    copy_bt, tQsKt[st], tQrKt_v, tQrKt)
 
             cute.arch.cp_async_wait_group(0)
-            if cutlass.const_expr(self.aux == "bias"):
-                # rowsum(P dP) of this kernel's P and dP into the Delta workspace, for the bias gradient.
-                bwd_scores.store_exact_delta(mDelta, dsum, delta, head, q_start, q_len, m0, cS_mn)
+            f = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            dq_shift.finish(sums, delta, dlse, mDelta, head, q_start, q_len, m0, cS_mn, partial_keys, f)
+            if total > 0:
+                dq_shift.shift(masking.acc_mn_view(acc_dQ),
+                               masking.acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BM, HD)))), f, sKref)
             cute.arch.barrier()
             gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
             bc.store_rows(acc_dQ, dscale, self.dtype, tiled_mma, copy_out, sQ, gdQ, BM, HD, m0, q_len, tidx)
@@ -291,6 +312,7 @@ class BwdDQAux(BwdDQ):
         mdO: cute.Tensor,
         mLSE: cute.Tensor,
         mDelta: cute.Tensor,
+        mdLSE: cute.Tensor,
         mdQ: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
@@ -311,6 +333,7 @@ class BwdDQAux(BwdDQ):
         window_right: cutlass.Int32,
         bottom_right: cutlass.Int32,
         max_seqlen_q: cutlass.Int32,
+        partial_keys: cutlass.Int32,
         aux_flags: cutlass.Int32,
         stream: cuda.CUstream,
     ):
@@ -319,16 +342,17 @@ class BwdDQAux(BwdDQ):
         sK_layout = tiles.smem_layout(dtype, self.block_n, self.head_dim)
         names = ["sK", "sV", "sK1", "sV1"]
         SharedStorage = bc.smem_tiles_struct(
-            dtype, dict([("sQ", sQ_layout), ("sdO", sQ_layout)] + [(n, sK_layout) for n in names]))
+            dtype, dict([("sQ", sQ_layout), ("sdO", sQ_layout)] + [(n, sK_layout) for n in names]
+                        + [("sKref", kref_layout(dtype, self.head_dim))]))
 
         copy_in = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=True)
         copy_out = tiles.gmem_tiled_copy(dtype, self.head_dim, self.num_threads, async_copy=False)
         tiled_mma = bc.make_mma(dtype, self.num_threads)
         grid = (cute.ceil_div(max_seqlen_q, self.block_m), cute.size(mQ.shape[1]), cute.size(mUsedQ.shape[0]))
         self.kernel_aux(
-            mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK,
+            mQ, mK, mV, mdO, mLSE, mDelta, mdLSE, mdQ, mCuQ, mCuK, mUsedQ, mUsedK,
             mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, mSlopes,
-            score_mul, cap_mul, dscale, window_left, window_right, bottom_right, aux_flags,
+            score_mul, cap_mul, dscale, window_left, window_right, bottom_right, partial_keys, aux_flags,
             sQ_layout, sK_layout, copy_in, copy_out, tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -341,6 +365,7 @@ class BwdDQAux(BwdDQ):
         mdO: cute.Tensor,
         mLSE: cute.Tensor,
         mDelta: cute.Tensor,
+        mdLSE: cute.Tensor,
         mdQ: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
@@ -360,6 +385,7 @@ class BwdDQAux(BwdDQ):
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
         bottom_right: cutlass.Int32,
+        partial_keys: cutlass.Int32,
         aux_flags: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -370,8 +396,8 @@ class BwdDQAux(BwdDQ):
     ):
         self.body(mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, score_mul, cap_mul, dscale,
                   window_left, window_right, bottom_right, sQ_layout, sK_layout, copy_in, copy_out, tiled_mma,
-                  SharedStorage, (mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, aux_flags,
-                                  mSlopes))
+                  SharedStorage, (mdLSE, partial_keys),
+                  (mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, aux_flags, mSlopes))
 
 
 BwdDQ.aux_class = BwdDQAux

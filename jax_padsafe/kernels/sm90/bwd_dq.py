@@ -6,7 +6,7 @@ import cutlass.pipeline as pipeline
 import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..common import aux_scores, bounds, bwd_scores, masking, tile_queue, tile_schedule, tiles
+from ..common import aux_scores, bounds, bwd_scores, dq_shift, masking, tile_queue, tile_schedule, tiles
 from . import bwd_aux
 from . import common as sc
 from .bwd_base import BAR_CONSUMERS, BAR_WG_BASE, Sm90BwdBase
@@ -44,6 +44,7 @@ class BwdDQSm90(Sm90BwdBase):
         mdO: cute.Tensor,
         mLSE: cute.Tensor,
         mDelta: cute.Tensor,
+        mdLSE: cute.Tensor,
         mdQ: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
@@ -57,17 +58,20 @@ class BwdDQSm90(Sm90BwdBase):
         window_right: cutlass.Int32,
         bottom_right: cutlass.Int32,
         max_seqlen_q: cutlass.Int32,
+        partial_keys: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul,
-                     dscale, window_left, window_right, bottom_right, max_seqlen_q, stream, None)
+        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdLSE, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul,
+                     cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_q, partial_keys, stream,
+                     None)
 
     @cute.jit
     def _launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                mDelta: cute.Tensor, mdQ: cute.Tensor, mCuQ: cute.Tensor, mCuK: cute.Tensor, mUsedQ: cute.Tensor,
-                mUsedK: cute.Tensor, mTileCounter: cute.Tensor, score_mul: cutlass.Float32, cap_mul: cutlass.Float32,
-                dscale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
-                bottom_right: cutlass.Int32, max_seqlen_q: cutlass.Int32, stream: cuda.CUstream, aux):
+                mDelta: cute.Tensor, mdLSE: cute.Tensor, mdQ: cute.Tensor, mCuQ: cute.Tensor, mCuK: cute.Tensor,
+                mUsedQ: cute.Tensor, mUsedK: cute.Tensor, mTileCounter: cute.Tensor, score_mul: cutlass.Float32,
+                cap_mul: cutlass.Float32, dscale: cutlass.Float32, window_left: cutlass.Int32,
+                window_right: cutlass.Int32, bottom_right: cutlass.Int32, max_seqlen_q: cutlass.Int32,
+                partial_keys: cutlass.Int32, stream: cuda.CUstream, aux):
         """The launch, shared by both variants' __call__; `aux`: the aux variant's bwd_aux.BwdAux, else None
         (the kernel then takes it as one more argument after `compact`)."""
         extra = ()
@@ -104,6 +108,8 @@ class BwdDQSm90(Sm90BwdBase):
             # head), their barriers.
             mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
             sSlots: cute.struct.MemRange[cutlass.Int32, 2 * 4]
+            # dQ's reference key (dq_shift.reference_key), float32 per column.
+            sKref: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, HD], 16]
 
         group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
         # Query tiles: dense (ceil(max_seqlen_q / BM) per sequence) or, where that launches at least twice as
@@ -111,7 +117,7 @@ class BwdDQSm90(Sm90BwdBase):
         batch, total_q = cute.size(mUsedQ.shape[0]), cute.size(mQ.shape[0])
         args = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
                 mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, group,
-                score_mul, cap_mul, dscale, window_left, window_right, bottom_right,
+                score_mul, cap_mul, dscale, window_left, window_right, bottom_right, (mdLSE, partial_keys),
                 sQ_layout, sK_layout, mma_s, mma_q, copy_out, q_bytes, k_bytes, SharedStorage)
         heads = cute.size(mQ.shape[1])
         # The dQ staging tile (`kernel`) of the compact kernel.
@@ -153,6 +159,7 @@ class BwdDQSm90(Sm90BwdBase):
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
         bottom_right: cutlass.Int32,
+        shift_args,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         mma_s: cute.TiledMma,
@@ -184,6 +191,8 @@ class BwdDQSm90(Sm90BwdBase):
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        # (mdLSE, partial_keys, dQ's reference key in shared memory): see consume.
+        shift_args = (shift_args[0], shift_args[1], storage.sKref.get_tensor(cute.make_layout(HD)))
         tmas = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V)
         seqs = (mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right)
 
@@ -202,7 +211,7 @@ class BwdDQSm90(Sm90BwdBase):
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume_claimed(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
-                                     score_mul, cap_mul, dscale, seqs, queue, sched, sOut, aux)
+                                     score_mul, cap_mul, dscale, seqs, queue, sched, sOut, shift_args, aux)
         else:
             m_block_rev, head, batch = cute.arch.block_idx()
             # Highest query tiles first: under causal masks they visit the most key tiles (the order of CTAs
@@ -229,13 +238,15 @@ class BwdDQSm90(Sm90BwdBase):
                                  score_mul, cap_mul, dscale, m_block, head, tb,
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages),
-                                 False, None, aux, batch)
+                                 False, None, shift_args, aux, batch)
             else:
                 tidx, _, _ = cute.arch.thread_idx()
                 if tidx < self.num_consumer_threads:
                     gdQ = cute.local_tile(cute.domain_offset((tb.q_start, 0), mdQ[None, head, None]), (BM, HD),
                                           (m_block, 0))
                     sc.zero_rows_global(self.dtype, BM, HD, copy_out, gdQ, m0, tb.slot, tidx)
+                    dq_shift.zero_row_sums(mDelta, head, tb.q_start, tb.q_len, m0, BM, tidx,
+                                           self.num_consumer_threads, shift_args[1])
 
     @cute.jit
     def query_bounds(self, seqs, batch, m_block, head, aux):
@@ -338,7 +349,7 @@ class BwdDQSm90(Sm90BwdBase):
 
     @cute.jit
     def consume_claimed(self, sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
-                        score_mul, cap_mul, dscale, seqs, queue, sched, sOut, aux=None):
+                        score_mul, cap_mul, dscale, seqs, queue, sched, sOut, shift_args, aux=None):
         """The compact kernel's consumers: the tiles the producer published, in its order, until the end; a
         tile with nothing to compute gets its zeros (rows up to the slot end)."""
         BM, HD = self.block_m, self.head_dim
@@ -360,24 +371,27 @@ class BwdDQSm90(Sm90BwdBase):
             if m0 < tb.q_len and tb.hi > tb.lo:
                 state_q, state = self.consume(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q,
                                               copy_out, score_mul, cap_mul, dscale, m_block, head, tb, state_q, state,
-                                              True, sOut, aux, batch)
+                                              True, sOut, shift_args, aux, batch)
             else:
                 gdQ = cute.local_tile(cute.domain_offset((tb.q_start, 0), mdQ[None, head, None]), (BM, HD),
                                       (m_block, 0))
                 sc.zero_rows_global(self.dtype, BM, HD, copy_out, gdQ, m0, tb.slot, tidx)
+                dq_shift.zero_row_sums(mDelta, head, tb.q_start, tb.q_len, m0, BM, tidx, self.num_consumer_threads,
+                                       shift_args[1])
             lin = tile_queue.peek(queue, state_tile)
 
     @cute.jit
     def consume(self, sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out, score_mul,
                 cap_mul, dscale, m_block, head, tb, state_q, state, release_q: cutlass.Constexpr, sOut=None,
-                aux=None, batch=None):
+                shift_args=None, aux=None, batch=None):
         """The consumers' part of one query tile (`tb`: its bounds.TileBounds); returns the advanced pipeline
         states.  `release_q`: free the
         Q / dO stage for the next tile: right after the last step's GEMMs where `sOut` (a staging tile of sQ's
         layout) takes dQ, else once the epilogue, staged through sQ, has read it.  `aux` (aux variants: its
         bwd_aux.BwdAux, with the tile's sequence `batch`): "bias": S becomes natural-unit scores with the head's
         mask and bias, and P comes from the forward's m and ln l; "mask": S gets -inf where the head's mask hides
-        a pair, and P comes from lse as in the plain kernel (`dq_probs`)."""
+        a pair, and P comes from lse as in the plain kernel (`dq_probs`).  `shift_args` (mdLSE, partial_keys,
+        sKref): dQ against a reference key, and rowsum(P dP) into mDelta (dq_shift)."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         q_start, q_len, _, k_len, q_slot, off, left, right, n_min, n_max = tb
         dt = self.dtype
@@ -415,13 +429,18 @@ class BwdDQSm90(Sm90BwdBase):
                                             lse2, delta, 0)
         if cutlass.const_expr(aux is not None):
             view = bwd_aux.view(aux, batch, head)
-        dsum = None
-        if cutlass.const_expr(aux is not None and self.aux == "bias"):
-            dsum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)  # rowsum of dS (store_exact_delta)
-            dsum.fill(0.0)
+        sums = dq_shift.make_sums(n_rows, self.has_softcap)
+        mdLSE, partial_keys, sKref = shift_args
+        dlse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        dq_shift.load_dlse(mdLSE, head, q_start, q_len, m0, cS_mn, partial_keys, dlse)
         rdS = cute.make_rmem_tensor(s_shape, dt)
         tQrdS = cute.make_tensor(rdS.iterator, sc.c_to_a_layout(rdS.layout))
 
+        # dQ's reference key from the first key tile (n_max - 1) once it has landed; the epilogue's barrier orders
+        # these stores before its reads.
+        pipe_kv.consumer_wait(state)
+        dq_shift.reference_key(sK[None, None, state.index], cutlass.min(k_len - (n_max - 1) * BN, BN), sKref, tidx,
+                                 self.num_consumer_threads, HD)
         pipe_q.consumer_wait(state_q)
         tSrQ = wg_s.make_fragment_A(wg_s.partition_A(sQ))
         tSrdO = wg_s.make_fragment_A(wg_s.partition_A(sdO))
@@ -446,17 +465,14 @@ class BwdDQSm90(Sm90BwdBase):
             if cutlass.const_expr(self.pin_waits):
                 sc.wgmma_wait_after(acc_S, opaque_zero, 0)
             warpgroup.wait_group(0)
-            self.dq_dscores(acc_S, acc_dP, acc_T, delta, rdS)
-            if cutlass.const_expr(aux is not None and self.aux == "bias"):
-                bwd_scores.add_row_sums(masking.acc_mn_view_sm90(acc_dP), dsum)
+            self.dq_dscores(acc_S, acc_dP, acc_T, delta, rdS, sums)
             sc.gemm(mma_q, mma_q, acc_dQ, tQrdS, tQrKt[None, None, None, state.index], False)
             warpgroup.wait_group(0)
             pipe_kv.consumer_release(state)
             state.advance()
 
-        if cutlass.const_expr(aux is not None and self.aux == "bias"):
-            # rowsum(P dP) of this kernel's P and dP into the Delta workspace, for the bias gradient.
-            bwd_scores.store_exact_delta(mDelta, dsum, delta, head, q_start, q_len, m0, cS_mn)
+        f = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        dq_shift.finish(sums, delta, dlse, mDelta, head, q_start, q_len, m0, cS_mn, partial_keys, f)
         # Epilogue: dQ (times the softmax scale) through sQ, or the staging tile (every consumer's GEMMs are
         # complete after the barrier; with the staging tile it also orders this tile's writes after the
         # previous tile's reads): valid query rows, then zeros up to the slot end.
@@ -467,6 +483,8 @@ class BwdDQSm90(Sm90BwdBase):
             pipe_q.consumer_release(state_q)
             sStage = sOut
         cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=self.num_consumer_threads)
+        dq_shift.shift(masking.acc_mn_view_sm90(acc_dQ),
+                       masking.acc_mn_view_sm90(thr_q.partition_C(cute.make_identity_tensor((BM, HD)))), f, sKref)
         gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (BM, HD), (m_block, 0))
         sc.store_rows_via_smem(acc_dQ, dscale, dt, mma_q, copy_out, sStage, gdQ, BM, HD, m0, q_len, tidx,
                                BAR_CONSUMERS, self.num_consumer_threads, q_slot)
@@ -520,13 +538,14 @@ class BwdDQSm90(Sm90BwdBase):
                                    need, 0)
 
     @cute.jit
-    def dq_dscores(self, acc_S, acc_dP, acc_T, delta, rdS):
-        """dS = P (dP - Delta) [(1 - tanh^2)] by select (0 where P = 0), into rdS in the input dtype."""
+    def dq_dscores(self, acc_S, acc_dP, acc_T, delta, rdS, sums):
+        """dS = P (dP - Delta) [(1 - tanh^2)] by select (0 where P = 0), into rdS in the input dtype; the row
+        sums of dq_shift added to `sums`."""
         s_mn = masking.acc_mn_view_sm90(acc_S)
         t_mn = s_mn
         if cutlass.const_expr(self.has_softcap):
             t_mn = masking.acc_mn_view_sm90(acc_T)
-        bwd_scores.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 0, self.has_softcap)
+        bwd_scores.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 0, self.has_softcap, sums)
         rdS.store(acc_dP.load().to(self.dtype))
 
 
@@ -545,6 +564,7 @@ class BwdDQSm90Aux(BwdDQSm90):
         mdO: cute.Tensor,
         mLSE: cute.Tensor,
         mDelta: cute.Tensor,
+        mdLSE: cute.Tensor,
         mdQ: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
@@ -566,10 +586,11 @@ class BwdDQSm90Aux(BwdDQSm90):
         window_right: cutlass.Int32,
         bottom_right: cutlass.Int32,
         max_seqlen_q: cutlass.Int32,
+        partial_keys: cutlass.Int32,
         aux_flags: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         aux = bwd_aux.make(self.aux, mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, mSlopes, mLSE,
                            aux_flags)
-        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul,
-                     dscale, window_left, window_right, bottom_right, max_seqlen_q, stream, aux)
+        self._launch(mQ, mK, mV, mdO, mLSE, mDelta, mdLSE, mdQ, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul,
+                     cap_mul, dscale, window_left, window_right, bottom_right, max_seqlen_q, partial_keys, stream, aux)
