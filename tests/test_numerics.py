@@ -107,6 +107,14 @@ def test_cancellation_logits_minus_120(impl, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_cancellation_softcap(impl, dtype):
+  """The same soft-capped: dS carries the cap's derivative, so its row sum is not the softmax's."""
+  p = cancellation_problem(37, True, bias=False)
+  p.softcap = 3.0
+  contract(p, dtype, impl)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
 def test_cancellation_with_sinks(impl, dtype, masked):
   """The same with sinks (the keys' P then sum to 1 - P_sink, and the sinks' gradient reads Delta), with and
