@@ -307,6 +307,38 @@ def test_partitioned_runs_forward_and_backward(heads):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def _standin_backward_delta(q, k, v, o, lse, do, dlse, cu_q, cu_k, used_q, used_k, **static):
+  """The stand-in backward that also returns a Delta workspace ``[N, total_q]`` (rowsum(dO * o) here)."""
+  grads = helpers.standin_flash_backward(q, k, v, o, lse, do, dlse, cu_q, cu_k, used_q, used_k, **static)
+  return grads + (jnp.sum(do * o, axis=-1).T,)
+
+
+def test_partitioned_runs_backward_with_delta():
+  """The runs backward that returns its Delta workspace (the sinks' gradient reads it): batch- and
+  head-sharded calls run shard-local, Delta split like lse, results equal to the unsharded call."""
+  rng = np.random.default_rng(46)
+  mesh = make_mesh((2, 2), ("data", "model"))
+  b, t, n, kh, h = 4, 16, 8, 2, 8
+  mk = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+  q, k, v, do, o = mk(b, t, n, h), mk(b, t, kh, h), mk(b, t, kh, h), mk(b, t, n, h), mk(b, t, n, h)
+  lse, dl = mk(b, n, t), mk(b, n, t)
+  q_start = jnp.array([[0, 7], [0, 3], [2, 10], [0, 16]], jnp.int32)
+  q_used = jnp.array([[7, 9], [3, 13], [5, 4], [16, 0]], jnp.int32)
+  runs = (q_start, q_used, q_start, q_used)
+  bwd = _partitioning.packed_backward_to_runs(_standin_backward_delta, with_delta=True)
+  expected = bwd(q, k, v, o, lse, do, dl, *runs, **_STATIC)
+  assert len(expected) == 4 and expected[3].shape == (b, n, t)
+  fn = _partitioning.partition_runs_backward_delta(bwd)
+  qs, kvs, ls, rs = P("data", None, "model"), P("data", None, "model"), P("data", "model"), P("data")
+  args = (q, k, v, o, lse, do, dl) + runs
+  specs = (qs, kvs, kvs, qs, ls, qs, ls) + (rs,) * 4
+  compiled, hlo = compile_for(lambda *a: fn(*a, **_STATIC), mesh, args, specs)
+  assert collectives(hlo) == []
+  got = compiled(*[place(a, mesh, sp) for a, sp in zip(args, specs)])
+  for name, a, e in zip(("dq", "dk", "dv", "delta"), got, expected):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def _standin_aux_forward(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range, col_range, slopes,
                          *, has_mask, has_bias, has_alibi, **static):
   """Pure-JAX stand-in with the aux kernels' packed signature (padded layout: sequence b at rows b*T)."""

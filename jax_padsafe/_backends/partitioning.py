@@ -139,12 +139,13 @@ def packed_to_runs(packed_fn):
   return padded
 
 
-def packed_backward_to_runs(packed_bwd):
+def packed_backward_to_runs(packed_bwd, with_delta: bool = False):
   """The backward counterpart of :func:`packed_to_runs`.
 
   ``packed_bwd(q, k, v, o, lse [N, total_q], do, dlse [N, total_q], cu_q, cu_k, used_q, used_k,
   **static) -> (dq, dk, dv)`` becomes ``fn(q, k, v, o, lse [B,N,T], do, dlse [B,N,T], q_start,
-  q_used, k_start, k_used, **static) -> (dq, dk, dv)`` on the padded layout.
+  q_used, k_start, k_used, **static) -> (dq, dk, dv)`` on the padded layout. ``with_delta``: the packed
+  backward also returns its Delta workspace ``[N, B*T]``, returned as ``[B, N, T]`` after dq, dk, dv.
   """
 
   @functools.wraps(packed_bwd)
@@ -153,10 +154,11 @@ def packed_backward_to_runs(packed_bwd):
     s = k.shape[1]
     view = canonical.packed_view(canonical.Runs(q_start, q_used, k_start, k_used), t, s)
     flat = lambda x, rows: x.reshape((b * rows,) + x.shape[2:])
-    dq, dk, dv = packed_bwd(
+    dq, dk, dv, *delta = packed_bwd(
         flat(q, t), flat(k, s), flat(v, s), flat(o, t), _batch_to_rows(lse), flat(do, t),
         _batch_to_rows(dlse), *view, **static)
-    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    grads = (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
+    return grads + ((_rows_to_batch(delta[0], b, t),) if with_delta else ())
 
   return padded
 
@@ -241,10 +243,26 @@ def partition_packed_backward(fn, *, head_sharding: str = "reshard"):
                head_sharding, heads_of=lambda q, k: (q.shape[1], k.shape[1]), sums_over_heads=True)
 
 
+def partition_packed_backward_delta(fn, *, head_sharding: str = "reshard"):
+  """:func:`partition_packed_backward` for a packed backward that also returns its Delta workspace
+  ``[N, total_q]`` (split like lse)."""
+  return _wrap(fn, _PACKED_BWD_ARGS, _PACKED_BWD_OUTS + (_LSE,), _PACKED_BWD_RULE + ", (k g) t",
+               _PACKED_REPLICATED, head_sharding, heads_of=lambda q, k: (q.shape[1], k.shape[1]),
+               sums_over_heads=True)
+
+
 def partition_runs_backward(fn, *, head_sharding: str = "reshard"):
   """Wrap a runs backward (see :func:`packed_backward_to_runs`) for batch/head sharding."""
   return _wrap(fn, _RUNS_BWD_ARGS, _RUNS_BWD_OUTS, _RUNS_BWD_RULE, _PADDED_REPLICATED + ("r",),
                head_sharding, heads_of=lambda q, k: (q.shape[2], k.shape[2]), sums_over_heads=True)
+
+
+def partition_runs_backward_delta(fn, *, head_sharding: str = "reshard"):
+  """:func:`partition_runs_backward` for ``packed_backward_to_runs(..., with_delta=True)`` (Delta
+  ``[B, N, T]`` as a fourth result, split like lse)."""
+  return _wrap(fn, _RUNS_BWD_ARGS, _RUNS_BWD_OUTS + (_BLSE,), _RUNS_BWD_RULE + ", b (k g) t",
+               _PADDED_REPLICATED + ("r",), head_sharding, heads_of=lambda q, k: (q.shape[2], k.shape[2]),
+               sums_over_heads=True)
 
 
 def partition_runs_forward_aux(fn, *, head_sharding: str = "reshard"):

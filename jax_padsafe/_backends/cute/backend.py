@@ -61,7 +61,8 @@ def _partitioned_kernel(kind: str):
   """A kernel entry point wrapped so that batch/head-sharded calls run shard-local (no all-gather).
 
   ``kind``: ``fwd_packed``/``bwd_packed`` (the problem's ``SeqLens``, heads shardable) or
-  ``fwd_runs``/``bwd_runs`` (its ``Runs``; batch and heads shardable), or ``fwd_split_runs`` /
+  ``fwd_runs``/``bwd_runs`` (its ``Runs``; batch and heads shardable), ``bwd_delta_packed`` /
+  ``bwd_delta_runs`` (those backwards also returning the Delta workspace), or ``fwd_split_runs`` /
   ``fwd_split_packed``: those forwards for few query rows, rewritten by ``split_kv`` (GQA heads
   packed into rows, keys split), sharded the same way.
   """
@@ -79,6 +80,10 @@ def _partitioned_kernel(kind: str):
       "fwd_split_packed": lambda: P.partition_packed_forward(split_kv.split_kv_packed(fwd)),
       "bwd_packed": lambda: P.partition_packed_backward(bwd),
       "bwd_runs": lambda: P.partition_runs_backward(P.packed_backward_to_runs(bwd)),
+      # The same returning the dQ kernel's rowsum(P dP) (the Delta workspace), for the sinks' gradient.
+      "bwd_delta_packed": lambda: P.partition_packed_backward_delta(functools.partial(bwd, return_delta=True)),
+      "bwd_delta_runs": lambda: P.partition_runs_backward_delta(
+          P.packed_backward_to_runs(functools.partial(bwd, return_delta=True), with_delta=True)),
   }[kind]()
 
 
@@ -285,8 +290,8 @@ def cute_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, 
 
 def _backward_compiled_width(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats=None):
   """``(dq, dk, dv, dbias, rowsum_p_dp)`` of :func:`cute_backward` for head dims the kernels are compiled for (or
-  the pure-JAX backward); ``rowsum_p_dp`` ``[B, N, T]``: where the sinks' gradient takes its Delta from (see
-  :func:`sinks.gradient`), None for ``rowsum(dO * o)``."""
+  the pure-JAX backward); ``rowsum_p_dp`` ``[B, N, T]`` (with sinks): where the sinks' gradient takes its Delta
+  from (see :func:`sinks.gradient`), None for ``rowsum(dO * o)``."""
   if _uses_aux(bias, mask, alibi):
     return _aux_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats)
   if not backward_supported(spec, q, k):
@@ -294,27 +299,35 @@ def _backward_compiled_width(spec, q, k, v, bias, mask, sinks, alibi, problem, o
   static = tuple(sorted(dict(_problem_static_args(spec, problem),
                              deterministic=spec.deterministic).items()))
 
+  # With sinks the kernels also return the dQ kernel's rowsum(P dP), the sinks' gradient's Delta.
+  kind = "bwd_delta_" if sinks is not None else "bwd_"
+
   def on_cuda(q, k, v, o, lse, do, dlse):
     dlse = dlse.astype(jnp.float32)
     if problem.packed:
-      grads = _kernel_call("bwd_packed", static)(
+      grads = _kernel_call(kind + "packed", static)(
           q[0], k[0], v[0], o[0], lse[0], do[0], dlse[0], *problem.kernel)
       return tuple(g[None] for g in grads)
-    return _kernel_call("bwd_runs", static)(q, k, v, o, lse, do, dlse, *problem.kernel)
+    return _kernel_call(kind + "runs", static)(q, k, v, o, lse, do, dlse, *problem.kernel)
 
   def elsewhere(q, k, v, o, lse, do, dlse):
-    return _pure_jax_backward(spec, q, k, v, None, None, sinks, None, problem, o, lse, do, dlse)[:3]
+    grads = _pure_jax_backward(spec, q, k, v, None, None, sinks, None, problem, o, lse, do, dlse)[:3]
+    if sinks is None:
+      return grads
+    # rowsum(P dP) as the pure-JAX path knows it.
+    return grads + (jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1),)
 
   do = do.astype(q.dtype)
-  dq, dk, dv = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v, o, lse, do, dlse)
-  return dq, dk, dv, None, None
+  dq, dk, dv, *rowsum = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v, o, lse, do, dlse)
+  return dq, dk, dv, None, (rowsum[0] if rowsum else None)
 
 
 def _aux_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse, stats):
   """The backward of :func:`_aux_forward`: dQ, dK, dV on the aux kernels from its exact row statistics;
   dbias (when there is a bias) from the bias gradient kernel (a call of its own, which XLA drops where
   dbias is unused), or from the pure-JAX backward where that kernel does not apply (a bias broadcast
-  over queries, a library without it); with sinks, the kernels' rowsum(P * dP) for their gradient."""
+  over queries, a library without it); with sinks, the kernels' rowsum(P * dP) for their gradient (the fifth
+  result, as :func:`_backward_compiled_width`'s)."""
   b, t, n, _ = q.shape
   num_kv = k.shape[2]
   if stats is None or not library.backward_available() or library.unsupported_reason(

@@ -6,8 +6,8 @@ with every weight scaled by ``exp(lse - lse')``. In the backward, the kernels ta
 recompute ``P = exp(s - lse')``, the probabilities *with* the sink, and ``Delta = rowsum(dO * o')`` is
 ``sum_j P_j dP_j`` (the sink has no value, so its ``dP`` is 0), so dQ, dK and dV come out exact without a
 change to any kernel. The sink's own gradient is ``sum_i P_sink,i (dlse_i - Delta_i)`` over valid rows, with
-``P_sink = exp(sink - lse')``; where the kernels leave ``rowsum(P * dP)`` (the aux kernels), Delta is formed
-from it rather than from ``o'`` rounded to float16 / bfloat16.
+``P_sink = exp(sink - lse')``; Delta is formed from the dQ kernel's float32 ``rowsum(P * dP)`` where the
+kernels ran, rather than from ``o'`` rounded to float16 / bfloat16.
 
 Every combination is a select on the row's state (valid with keys, valid without keys, padded), never a
 multiplication by a mask: a valid row without keys gets ``o' = 0`` and ``lse' = sink`` (``-inf`` where the
