@@ -107,6 +107,21 @@ def test_cancellation_logits_minus_120(impl, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_cancellation_large_logits(impl, dtype, request):
+  """The same with the shared component seen by the queries: every logit of a row moves by ~90 (scale * 50 *
+  15), which the softmax removes but P's float32 rounding does not (exp of s - lse at |s| ~ 90)."""
+  if impl == "xla" and dtype == jnp.float32:
+    # A known gap of the pure-JAX path in float32: dK along the queries' shared component, scale * 50 *
+    # sum_i dS_ij, is 3.3x the naive attention's error (2026-11-26; 1.2x at a shared component of 10, 6x at
+    # 30), as are O and dV at about 3x (inside eps there). bf16 / fp16 pass. Strict: a fix turns this into a
+    # failure to remove.
+    request.applymarker(pytest.mark.xfail(strict=True, reason="pure-JAX float32 P at logits ~90"))
+  p = cancellation_problem(38, True, bias=False)
+  p.q[..., 0] = 50.0
+  contract(p, dtype, impl)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_cancellation_softcap(impl, dtype):
   """The same soft-capped: dS carries the cap's derivative, so its row sum is not the softmax's."""
   p = cancellation_problem(37, True, bias=False)
