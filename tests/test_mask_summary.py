@@ -31,7 +31,9 @@ def _direct(mask):
   return tile_map, row_range, col_range
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 100, 70), (1, 3, 1, 33), (1, 1, 64, 16), (3, 2, 37, 129)])
+# S = 72: a partial last block column of a width that is a multiple of 4; 256: whole block columns only.
+@pytest.mark.parametrize("shape", [(2, 1, 100, 70), (1, 3, 1, 33), (1, 1, 64, 16), (3, 2, 37, 129),
+                                   (2, 1, 50, 72), (1, 2, 40, 256)])
 @pytest.mark.parametrize("kind", ["random", "causal", "sparse"])
 def test_block_summary(shape, kind):
   rng = np.random.default_rng(sum(shape))
