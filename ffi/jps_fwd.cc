@@ -2,6 +2,7 @@
 // "jax_padsafe_fwd_aux" (platform CUDA), FFI API of the oldest supported jaxlib (0.10.2 -> 0.3).
 //   initialize: loads the forward and row-zeroing kernel modules of this device's architecture (once).
 //   execute:    checks the arguments, zero-fills lse (the kernels write valid rows only), picks the variant,
+//               passes the attention sinks ([N] float32, joined in the kernels' epilogue; [0]: none),
 //               gives O its zeros (common.h: OutputZeroing), zeroes the Hopper kernel's tile counter where its
 //               compact schedule may run, launches.
 #include "aux.h"
@@ -41,7 +42,8 @@ struct AuxForward {
 
 ffi::Error Forward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
-                   ffi::Buffer<ffi::S32> used_k, ffi::Result<ffi::AnyBuffer> &o, ffi::Result<ffi::Buffer<ffi::F32>> &lse,
+                   ffi::Buffer<ffi::S32> used_k, ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> &o,
+                   ffi::Result<ffi::Buffer<ffi::F32>> &lse,
                    ffi::Result<ffi::Buffer<ffi::S32>> &tile_counter, float scale, float softcap, int32_t window_left,
                    int32_t window_right, int32_t causal, int32_t bottom_right, int32_t max_seqlen_q, int32_t rows_covered,
                    const AuxForward *aux) {
@@ -53,6 +55,8 @@ ffi::Error Forward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, ff
     return jps::InvalidArgument(target, "o must have q's shape and dtype");
   if (!jps::HasShape(lse->dimensions(), p.num_heads, p.total_q)) return jps::InvalidArgument(target, "lse must be [N, total_q]");
   if (tile_counter->element_count() < 1) return jps::InvalidArgument(target, "tile_counter must have at least one element");
+  if (sinks.dimensions().size() != 1 || (sinks.element_count() != 0 && int64_t(sinks.element_count()) != p.num_heads))
+    return jps::InvalidArgument(target, "sinks must be float32 [N] (one per query head) or [0] (none)");
   int32_t aux_flags = 0;
   if (aux) {
     if (ffi::Error e = jps::CheckAux(target, p, q.element_type(), aux->operands, bottom_right, &aux_flags); e.failure()) return e;
@@ -104,6 +108,8 @@ ffi::Error Forward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, ff
                       bottom_right, max_seqlen_q);
   a.o = o->untyped_data();
   a.lse = lse->typed_data();
+  a.sinks = sinks.typed_data();
+  a.num_sinks = int32_t(sinks.element_count());
   a.tile_counter = tile_counter->typed_data();
   if (aux) {
     jps::FillAuxArgs(&a, aux->operands, aux_flags, (*aux->row_max)->typed_data(), (*aux->log_sum)->typed_data());
@@ -118,19 +124,19 @@ ffi::Error Forward(const char *target, cudaStream_t stream, ffi::AnyBuffer q, ff
 
 ffi::Error FwdExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
-                      ffi::Buffer<ffi::S32> used_k, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                      ffi::Result<ffi::Buffer<ffi::S32>> tile_counter, float scale, float softcap, int32_t window_left,
-                      int32_t window_right, int32_t causal, int32_t bottom_right, int32_t max_seqlen_q,
-                      int32_t rows_covered) {
-  return Forward(kTarget, stream, q, k, v, cu_q, cu_k, used_q, used_k, o, lse, tile_counter, scale, softcap, window_left,
-                 window_right, causal, bottom_right, max_seqlen_q, rows_covered, nullptr);
+                      ffi::Buffer<ffi::S32> used_k, ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> o,
+                      ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
+                      float scale, float softcap, int32_t window_left, int32_t window_right, int32_t causal,
+                      int32_t bottom_right, int32_t max_seqlen_q, int32_t rows_covered) {
+  return Forward(kTarget, stream, q, k, v, cu_q, cu_k, used_q, used_k, sinks, o, lse, tile_counter, scale, softcap,
+                 window_left, window_right, causal, bottom_right, max_seqlen_q, rows_covered, nullptr);
 }
 
 ffi::Error FwdAuxExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::Buffer<ffi::S32> cu_q, ffi::Buffer<ffi::S32> cu_k, ffi::Buffer<ffi::S32> used_q,
-                         ffi::Buffer<ffi::S32> used_k, ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer tile_map,
-                         ffi::AnyBuffer row_range, ffi::AnyBuffer col_range, ffi::AnyBuffer slopes,
-                         ffi::Result<ffi::AnyBuffer> o,
+                         ffi::Buffer<ffi::S32> used_k, ffi::Buffer<ffi::F32> sinks, ffi::AnyBuffer mask,
+                         ffi::AnyBuffer bias, ffi::AnyBuffer tile_map, ffi::AnyBuffer row_range,
+                         ffi::AnyBuffer col_range, ffi::AnyBuffer slopes, ffi::Result<ffi::AnyBuffer> o,
                          ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
                          ffi::Result<ffi::Buffer<ffi::F32>> row_max, ffi::Result<ffi::Buffer<ffi::F32>> log_sum,
                          float scale, float softcap, int32_t window_left, int32_t window_right, int32_t causal,
@@ -139,7 +145,7 @@ ffi::Error FwdAuxExecute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   const AuxForward aux{{&mask, &bias, &tile_map, &row_range, &col_range, &slopes, has_mask != 0, has_bias != 0,
                         has_alibi != 0},
                        &row_max, &log_sum};
-  return Forward(kAuxTarget, stream, q, k, v, cu_q, cu_k, used_q, used_k, o, lse, tile_counter, scale, softcap,
+  return Forward(kAuxTarget, stream, q, k, v, cu_q, cu_k, used_q, used_k, sinks, o, lse, tile_counter, scale, softcap,
                  window_left, window_right, causal, bottom_right, max_seqlen_q, rows_covered, &aux);
 }
 
@@ -163,6 +169,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_fwd_execute, FwdExecute,
                                   .Arg<ffi::Buffer<ffi::S32>>()      // cu_seqlens_k
                                   .Arg<ffi::Buffer<ffi::S32>>()      // seqused_q
                                   .Arg<ffi::Buffer<ffi::S32>>()      // seqused_k
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // sinks [N] | [0]
                                   .Ret<ffi::AnyBuffer>()             // o
                                   .Ret<ffi::Buffer<ffi::F32>>()      // lse
                                   .Ret<ffi::Buffer<ffi::S32>>()      // tile counter (scratch)
@@ -187,6 +194,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jps_fwd_aux_execute, FwdAuxExecute,
                                   .Arg<ffi::Buffer<ffi::S32>>()      // cu_seqlens_k
                                   .Arg<ffi::Buffer<ffi::S32>>()      // seqused_q
                                   .Arg<ffi::Buffer<ffi::S32>>()      // seqused_k
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // sinks [N] | [0]
                                   .Arg<ffi::AnyBuffer>()             // mask [Bx, Hx, Tx, S] bool
                                   .Arg<ffi::AnyBuffer>()             // bias [Bx, Hx, Tx, S] q's dtype | float32
                                   .Arg<ffi::AnyBuffer>()             // the mask's block map

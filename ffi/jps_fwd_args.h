@@ -7,6 +7,8 @@
 struct JpsFwdArgs {
   void *q, *k, *v, *o;        // [total_q, N, H], [total_k, K, H] x2, [total_q, N, H]
   float *lse;                 // [N, total_q]
+  float *sinks;               // [num_sinks] attention sinks (natural-unit logits per query head)
+  int32_t num_sinks;          // N, or 0: no sinks (the kernels then never read `sinks`)
   int32_t *cu_q, *cu_k;       // [batch + 1]
   int32_t *used_q, *used_k;   // [batch]
   int32_t total_q, total_k, num_heads, num_kv_heads, head_dim, batch;

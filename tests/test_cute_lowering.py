@@ -49,13 +49,24 @@ def test_custom_call_operands(dtype, tname, h):
     assert target == forward.TARGET_NAME == "jax_padsafe_fwd"
     assert [s.strip() for s in operands.split(",")] == [
         f"tensor<10x28x{h}x{tname}>", f"tensor<12x4x{h}x{tname}>", f"tensor<12x4x{h}x{tname}>",
-        "tensor<3xi32>", "tensor<3xi32>", "tensor<2xi32>", "tensor<2xi32>"]
+        "tensor<3xi32>", "tensor<3xi32>", "tensor<2xi32>", "tensor<2xi32>", "tensor<0xf32>"]  # no sinks: [0]
     # o, lse, and the sm90 kernel's tile-counter scratch.
     assert [s.strip() for s in results.split(",")] == [f"tensor<10x28x{h}x{tname}>", "tensor<28x10xf32>",
                                                        "tensor<1xi32>"]
     for want in ("bottom_right = 1 : i32", "causal = 1 : i32", "max_seqlen_q = 6 : i32", "scale = 1.250000e-01 : f32",
                  "softcap = 0.000000e+00 : f32", "window_left = -1 : i32", "window_right = -1 : i32"):
         assert want in attrs, attrs
+
+
+def test_sinks_operand():
+    """The attention sinks travel as one float32 operand per query head, after the sequence bounds."""
+    sinks = jax.ShapeDtypeStruct((28,), jnp.float32)
+    text = _lower(lambda *a: _fwd()(*a[:7], a[7]), *_args(), sinks)
+    operands = re.findall(r"stablehlo\.custom_call @jax_padsafe_fwd\((.*?)\) \{.*?\} : \((.*?)\)", text)
+    assert len(operands) == 1, text
+    assert operands[0][1].split(", ")[-1] == "tensor<28xf32>"
+    with pytest.raises(ValueError, match="sinks must have shape"):
+        _lower(lambda *a: _fwd()(*a[:7], a[7]), *_args(), jax.ShapeDtypeStruct((27,), jnp.float32))
 
 
 def test_window_softcap_attributes():

@@ -218,6 +218,40 @@ def test_features_reach_the_kernels(kernels_built, feature, layout):
     assert all("x128xbf16>" not in line for line in calls), calls  # V runs at 192, zero-padded
 
 
+def _forward_operands(text, target):
+  """The operand types of each forward custom call to ``target``."""
+  return [ops.split(", ") for ops in re.findall(
+      rf"stablehlo\.custom_call @{target}\(.*?\) \{{.*?\}} : \((.*?)\) ->", text)]
+
+
+@pytest.mark.parametrize("case", ["plain_padded", "plain_packed", "mask", "decode"])
+def test_sinks_are_joined_in_the_forward_kernels(kernels_built, case):
+  """The sinks travel into the forward kernels (one float32 per query head, joined in their epilogue; no pass
+  over O afterwards): the plain and aux targets take them, on both layouts. Decoding's split-key rewrite runs
+  chunks that see part of each row: its kernels take no sinks ([0]), which join after the merge."""
+  # 64 rows of 4 query heads per key/value head: more than a tile, so no decoding rewrite but for "decode".
+  t = 1 if case == "decode" else 64
+  s = 4096 if case == "decode" else 80
+  q, k, v = _qkv(t=t, s=s)
+  sinks = jnp.zeros((8,), jnp.float32)
+  kw = dict(sinks=sinks, implementation="cute")
+  if case == "mask":
+    kw["mask"] = jnp.tril(jnp.ones((t, s), bool))[None, None]
+  if case == "plain_packed":
+    cu, cuk = jnp.array([0, 10, 64], jnp.int32), jnp.array([0, 20, 80], jnp.int32)
+    f = lambda q, k, v: jax_padsafe.varlen_attention(q[0], k[0], v[0], cu, cuk, **kw)  # noqa: E731
+  else:
+    f = lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, **kw)  # noqa: E731
+  text = _lowered(f, q, k, v)
+  calls = _forward_operands(text, AUX_TARGET if case == "mask" else TARGET)
+  assert len(calls) == 1, text
+  want = "tensor<0xf32>" if case == "decode" else "tensor<8xf32>"
+  assert want in calls[0], calls[0]
+  # The forward with its sinks joined is all there is, but for the split rewrite's merge.
+  if case != "decode":
+    assert "exponential" not in text.split("custom_call")[-1], "a pass over O after the kernels"
+
+
 @pytest.mark.parametrize("case", ["causal_padding_mask", "bias_f32", "bias_bf16_per_head", "mask_and_bias"])
 def test_mask_and_bias_lower_to_the_aux_kernels(kernels_built, case):
   """Masks and biases of the padded layout go to the aux targets, forward and backward; dbias comes from

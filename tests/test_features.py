@@ -2,9 +2,10 @@
 
 Each case runs the whole contract (``helpers.check_problem`` / ``helpers.check_packed``): outputs and
 every gradient (the sinks' included) against the float64 oracle with the accuracy rule, exact zeros
-(lse = the sink for valid rows without keys), and bitwise poison invariance.  On ``impl="cute"`` the
-kernels do not take these features yet: dispatch must say so (``NotImplementedError``) and the case
-skips, as in ``test_contract``.
+(lse = the sink for valid rows without keys), and bitwise poison invariance.  On ``impl="cute"`` (a GPU) the
+cases run on the kernels: sinks joined in the forward kernels' epilogue on every layout, ALiBi on the aux
+kernels of the padded layout; a combination the kernels do not take (or the library was built without)
+makes dispatch raise ``NotImplementedError`` and the case skips, as in ``test_contract``.
 """
 
 import jax

@@ -92,9 +92,20 @@ _RUNS_DBIAS_RULE = "b t (k g) h, b s k h, b s k h, b t (k g) h, b (k g) t, b r, 
 _HEAD_MODES = ("reshard", "strict")
 
 
-def partition_packed_forward(fn, *, head_sharding: str = "reshard"):
-  """Wrap a packed-layout forward so that head-sharded calls run shard-local (see module doc)."""
-  return _wrap(fn, _PACKED_ARGS, _PACKED_OUTS, _PACKED_RULE, _PACKED_REPLICATED, head_sharding,
+def _with_sinks(arg_roles, rule, sinks: bool):
+  """A forward's roles and rule with the attention sinks ``[N]`` as its last operand (split with the query
+  heads) when ``sinks``."""
+  if not sinks:
+    return arg_roles, rule
+  lhs, rhs = rule.split(" -> ")
+  return arg_roles + (("n",),), f"{lhs}, (k g) -> {rhs}"
+
+
+def partition_packed_forward(fn, *, head_sharding: str = "reshard", sinks: bool = False):
+  """Wrap a packed-layout forward so that head-sharded calls run shard-local (see module doc); ``sinks``: it
+  takes the attention sinks ``[N]`` as its last array argument."""
+  args, rule = _with_sinks(_PACKED_ARGS, _PACKED_RULE, sinks)
+  return _wrap(fn, args, _PACKED_OUTS, rule, _PACKED_REPLICATED, head_sharding,
                heads_of=lambda q, k: (q.shape[1], k.shape[1]))
 
 
@@ -127,13 +138,13 @@ def packed_to_runs(packed_fn):
   """
 
   @functools.wraps(packed_fn)
-  def padded(q, k, v, q_start, q_used, k_start, k_used, **static):
+  def padded(q, k, v, q_start, q_used, k_start, k_used, *rest, **static):
     b, t, n, h = q.shape
     s, nk = k.shape[1], k.shape[2]
     view = canonical.packed_view(canonical.Runs(q_start, q_used, k_start, k_used), t, s)
     o, lse = packed_fn(
         q.reshape(b * t, n, h), k.reshape(b * s, nk, k.shape[-1]), v.reshape(b * s, nk, v.shape[-1]),
-        *view, **static)
+        *view, *rest, **static)
     return o.reshape(b, t, n, o.shape[-1]), _rows_to_batch(lse, b, t)
 
   return padded
@@ -229,9 +240,11 @@ def _batch_to_rows(x):  # [B, N, T] -> [N, B*T]
   return jnp.transpose(x, (1, 0, 2)).reshape(x.shape[1], -1)
 
 
-def partition_runs_forward(fn, *, head_sharding: str = "reshard"):
-  """Wrap a runs forward (see :func:`packed_to_runs`) so batch/head-sharded calls run shard-local."""
-  return _wrap(fn, _RUNS_ARGS, _PADDED_OUTS, _RUNS_RULE, _PADDED_REPLICATED + ("r",), head_sharding,
+def partition_runs_forward(fn, *, head_sharding: str = "reshard", sinks: bool = False):
+  """Wrap a runs forward (see :func:`packed_to_runs`) so batch/head-sharded calls run shard-local (``sinks``: as
+  in :func:`partition_packed_forward`)."""
+  args, rule = _with_sinks(_RUNS_ARGS, _RUNS_RULE, sinks)
+  return _wrap(fn, args, _PADDED_OUTS, rule, _PADDED_REPLICATED + ("r",), head_sharding,
                heads_of=lambda q, k: (q.shape[2], k.shape[2]))
 
 
@@ -265,12 +278,14 @@ def partition_runs_backward_delta(fn, *, head_sharding: str = "reshard"):
                sums_over_heads=True)
 
 
-def partition_runs_forward_aux(fn, *, head_sharding: str = "reshard"):
+def partition_runs_forward_aux(fn, *, head_sharding: str = "reshard", sinks: bool = False):
   """Wrap a runs forward of the aux kernels (:func:`packed_to_runs_aux`) for batch/head sharding: the
-  aux operands split with the call where their batch / head dimension is the call's, else replicate."""
+  aux operands split with the call where their batch / head dimension is the call's, else replicate
+  (``sinks``: the attention sinks ``[N]`` follow them, split with the query heads)."""
   return _wrap(fn, _RUNS_ARGS, _RUNS_AUX_OUTS, _RUNS_RULE + _RUNS_AUX_OUT_RULE,
                _PADDED_REPLICATED + ("r",), head_sharding,
-               heads_of=lambda q, k: (q.shape[2], k.shape[2]), aux_at=len(_RUNS_ARGS))
+               heads_of=lambda q, k: (q.shape[2], k.shape[2]), aux_at=len(_RUNS_ARGS),
+               aux_tail=((("n",),), ", (k g)") if sinks else None)
 
 
 def partition_runs_backward_aux(fn, *, head_sharding: str = "reshard"):

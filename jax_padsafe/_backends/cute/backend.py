@@ -64,11 +64,14 @@ def _partitioned_kernel(kind: str):
   ``fwd_runs``/``bwd_runs`` (its ``Runs``; batch and heads shardable), ``bwd_delta_packed`` /
   ``bwd_delta_runs`` (those backwards also returning the Delta workspace), or ``fwd_split_runs`` /
   ``fwd_split_packed``: those forwards for few query rows, rewritten by ``split_kv`` (GQA heads
-  packed into rows, keys split), sharded the same way.
+  packed into rows, keys split), sharded the same way. A forward kind ending in ``_sinks`` takes the
+  attention sinks ``[N]`` as its last array argument (split with the query heads).
   """
   fwd, bwd = cute_forward_ops.flash_forward, cute_backward_ops.flash_backward
   return {
       "fwd_aux_runs": lambda: P.partition_runs_forward_aux(P.packed_to_runs_aux(_fwd_aux_packed)),
+      "fwd_aux_runs_sinks": lambda: P.partition_runs_forward_aux(P.packed_to_runs_aux(_fwd_aux_packed),
+                                                                 sinks=True),
       "bwd_aux_runs": lambda: P.partition_runs_backward_aux(P.packed_backward_to_runs_aux(_bwd_aux_packed)),
       "bwd_aux_delta_runs": lambda: P.partition_runs_backward_delta_aux(
           P.packed_backward_to_runs_aux(functools.partial(_bwd_aux_packed, return_delta=True),
@@ -76,8 +79,12 @@ def _partitioned_kernel(kind: str):
       "dbias_runs": lambda: P.partition_runs_dbias(P.packed_dbias_to_runs(_dbias_packed)),
       "fwd_packed": lambda: P.partition_packed_forward(fwd),
       "fwd_runs": lambda: P.partition_runs_forward(P.packed_to_runs(fwd)),
+      "fwd_packed_sinks": lambda: P.partition_packed_forward(fwd, sinks=True),
+      "fwd_runs_sinks": lambda: P.partition_runs_forward(P.packed_to_runs(fwd), sinks=True),
       "fwd_split_runs": lambda: P.partition_runs_forward(split_kv.split_kv_to_runs(fwd)),
       "fwd_split_packed": lambda: P.partition_packed_forward(split_kv.split_kv_packed(fwd)),
+      "fwd_split_runs_sinks": lambda: P.partition_runs_forward(split_kv.split_kv_to_runs(fwd), sinks=True),
+      "fwd_split_packed_sinks": lambda: P.partition_packed_forward(split_kv.split_kv_packed(fwd), sinks=True),
       "bwd_packed": lambda: P.partition_packed_backward(bwd),
       "bwd_runs": lambda: P.partition_runs_backward(P.packed_backward_to_runs(bwd)),
       # The same returning the dQ kernel's rowsum(P dP) (the Delta workspace), for the sinks' gradient.
@@ -87,11 +94,12 @@ def _partitioned_kernel(kind: str):
   }[kind]()
 
 
-def _fwd_aux_packed(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range, col_range, slopes, *,
-                    has_mask, has_bias, has_alibi, **static):
-  """``flash_forward`` with its aux operands as positional arrays (for the partitioning wrappers)."""
+def _fwd_aux_packed(q, k, v, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range, col_range, slopes,
+                    sinks=None, *, has_mask, has_bias, has_alibi, **static):
+  """``flash_forward`` with its aux operands (and the sinks) as positional arrays (for the partitioning
+  wrappers)."""
   ops = aux_ops.AuxOperands(mask, bias, tile_map, row_range, col_range, slopes, has_mask, has_bias, has_alibi)
-  return cute_forward_ops.flash_forward(q, k, v, cu_q, cu_k, used_q, used_k, **static, aux=ops)
+  return cute_forward_ops.flash_forward(q, k, v, cu_q, cu_k, used_q, used_k, sinks, **static, aux=ops)
 
 
 def _bwd_aux_packed(q, k, v, o, lse, do, dlse, cu_q, cu_k, used_q, used_k, mask, bias, tile_map, row_range,
@@ -111,7 +119,8 @@ def _dbias_packed(q, k, v, do, delta, cu_q, cu_k, used_q, used_k, mask, bias, ti
 
 
 # Positions of the aux operands ([Bx, ...], Bx in {1, B}) among a kernel call's arguments.
-_AUX_POSITIONS = {"fwd_aux_runs": range(7, 13), "bwd_aux_runs": range(11, 17), "bwd_aux_delta_runs": range(11, 17)}
+_AUX_POSITIONS = {"fwd_aux_runs": range(7, 13), "fwd_aux_runs_sinks": range(7, 13), "bwd_aux_runs": range(11, 17),
+                  "bwd_aux_delta_runs": range(11, 17)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,7 +140,9 @@ def _kernel_call(kind: str, static_items: tuple):
 
   @call.def_vmap
   def call_vmap(axis_size, in_batched, *args):
-    if kind.endswith("packed") or kind == "dbias_runs":
+    # Sinks (the last argument of a "_sinks" kind) mapped with the problems differ between them: one launch each.
+    mapped_sinks = kind.endswith("_sinks") and in_batched[-1]
+    if kind.endswith("packed") or kind.endswith("packed_sinks") or kind == "dbias_runs" or mapped_sinks:
       # dbias sums over the batch rows its bias broadcasts over: mapped problems cannot be folded into
       # one batch, so each is its own launch.
       args = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
@@ -142,6 +153,9 @@ def _kernel_call(kind: str, static_items: tuple):
     b = args[0].shape[1] if in_batched[0] else args[0].shape[0]
     folded = []
     for i, (a, batched) in enumerate(zip(args, in_batched)):
+      if kind.endswith("_sinks") and i == len(args) - 1:
+        folded.append(a)  # the sinks, the same for every mapped problem
+        continue
       if i in aux and not batched and a.shape[0] == 1:
         folded.append(a)  # a mask or bias shared by every batch row of every mapped problem stays one
         continue
@@ -194,38 +208,46 @@ def cute_forward_with_stats(spec, q, k, v, bias, mask, sinks, alibi, problem):
   """``(o, lse, stats)``: ``stats`` is ``None`` without a mask, bias or ALiBi, else the exact row statistics
   ``(row_max, log_sum)`` ``[B, N, T]`` of the aux kernels and the mask's block summary
   (:func:`_aux_forward`). Head dims without a compiled kernel (and a value head dim of its own) run
-  zero-padded to the next compiled one; sinks join the kernels' results afterwards (:mod:`.sinks`)."""
+  zero-padded to the next compiled one. Sinks join in the forward kernels' epilogue; where no kernel takes them
+  (decoding's split keys, the pure-JAX path) they join the results afterwards (:mod:`.sinks`)."""
   h, hv = q.shape[-1], v.shape[-1]
   width = kernel_width(spec, q, v, aux=_uses_aux(bias, mask, alibi))
   if width is not None and (width != h or width != hv):
     q, k, v = (widen(x, width) for x in (q, k, v))
-  o, lse, stats = _forward_compiled_width(spec, q, k, v, bias, mask, alibi, problem)
-  o = o[..., :hv]
-  if sinks is not None:
-    o, lse, row_stats = sink_ops.forward(o, lse, sinks, visibility.row_is_valid(problem.q_seg),
-                                         None if stats is None else stats[:2])
-    stats = None if stats is None else row_stats + stats[2:]
-  return o, lse, stats
+  o, lse, stats = _forward_compiled_width(spec, q, k, v, bias, mask, sinks, alibi, problem)
+  return o[..., :hv], lse, stats
 
 
-def _forward_compiled_width(spec, q, k, v, bias, mask, alibi, problem):
-  """:func:`cute_forward_with_stats` without sinks, for head dims the kernels are compiled for."""
+def _join_sinks(o, lse, sinks, problem, stats=None):
+  """``(o, lse, stats)`` of a forward that ran without the sinks, with them joined (:func:`sinks.forward`;
+  ``stats``: the aux forward's ``(row_max, log_sum)``)."""
+  if sinks is None:
+    return o, lse, stats
+  return sink_ops.forward(o, lse, sinks, visibility.row_is_valid(problem.q_seg), stats)
+
+
+def _forward_compiled_width(spec, q, k, v, bias, mask, sinks, alibi, problem):
+  """:func:`cute_forward_with_stats` for head dims the kernels are compiled for."""
   if _uses_aux(bias, mask, alibi):
-    return _aux_forward(spec, q, k, v, bias, mask, alibi, problem)
+    return _aux_forward(spec, q, k, v, bias, mask, sinks, alibi, problem)
   static = tuple(sorted(_problem_static_args(spec, problem).items()))
-  # Few query rows per sequence (decoding) are rewritten first: GQA heads packed into rows, keys split.
+  # Few query rows per sequence (decoding) are rewritten first: GQA heads packed into rows, keys split (the
+  # sinks then join the merged result, split_kv).
   split = split_kv.eligible(spec, problem)
+  kernel_sinks = () if sinks is None else (sinks,)
+  suffix = "_sinks" if kernel_sinks else ""
 
   def on_cuda(q, k, v):
     if problem.packed:  # canonical batch of one holding the packed rows
-      o, lse = _kernel_call("fwd_split_packed" if split else "fwd_packed", static)(
-          q[0], k[0], v[0], *problem.kernel)
+      o, lse = _kernel_call(("fwd_split_packed" if split else "fwd_packed") + suffix, static)(
+          q[0], k[0], v[0], *problem.kernel, *kernel_sinks)
       return o[None], lse[None]
-    return _kernel_call("fwd_split_runs" if split else "fwd_runs", static)(q, k, v, *problem.kernel)
+    return _kernel_call(("fwd_split_runs" if split else "fwd_runs") + suffix, static)(
+        q, k, v, *problem.kernel, *kernel_sinks)
 
   def elsewhere(q, k, v):
     q, k, v = visibility.zero_padded_inputs(q, k, v, problem.q_seg, problem.k_seg)
-    return xla.forward(spec, q, k, v, bias, mask, *problem.rows())
+    return _join_sinks(*xla.forward(spec, q, k, v, bias, mask, *problem.rows()), sinks, problem)[:2]
 
   o, lse = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v)
   return o, lse, None
@@ -236,14 +258,17 @@ def _kernel_slopes(alibi):
   return None if alibi is None else alibi[:, :, 0]
 
 
-def _aux_forward(spec, q, k, v, bias, mask, alibi, problem):
-  """The forward with a mask, bias and / or ALiBi slopes on the aux kernels (padded layout with lengths)."""
+def _aux_forward(spec, q, k, v, bias, mask, sinks, alibi, problem):
+  """The forward with a mask, bias and / or ALiBi slopes on the aux kernels (padded layout with lengths), the
+  sinks joined in their epilogue."""
   b, t, n, _ = q.shape
   ops = aux_ops.operands(bias, mask, alibi_slopes=_kernel_slopes(alibi))
   static = tuple(sorted(dict(_problem_static_args(spec, problem), **ops.flags).items()))
+  kernel_sinks = () if sinks is None else (sinks,)
 
   def on_cuda(q, k, v):
-    o, lse, row_max, log_sum = _kernel_call("fwd_aux_runs", static)(q, k, v, *problem.kernel, *ops.arrays)
+    o, lse, row_max, log_sum = _kernel_call("fwd_aux_runs" + ("_sinks" if kernel_sinks else ""), static)(
+        q, k, v, *problem.kernel, *ops.arrays, *kernel_sinks)
     return o, lse, (row_max, log_sum)
 
   def elsewhere(q, k, v):
@@ -252,7 +277,7 @@ def _aux_forward(spec, q, k, v, bias, mask, alibi, problem):
     # The kernels' conventions: (0, +inf) in valid rows without a visible key.
     m, log_l = st.m.reshape(b, n, t), st.log_l.reshape(b, n, t)
     empty = m == -jnp.inf
-    return o, lse, (jnp.where(empty, 0.0, m), jnp.where(empty, jnp.inf, log_l))
+    return _join_sinks(o, lse, sinks, problem, (jnp.where(empty, 0.0, m), jnp.where(empty, jnp.inf, log_l)))
 
   o, lse, stats = _run_kernel_or_fallback(problem, on_cuda, elsewhere, q, k, v)
   # The mask's block summary travels with the statistics, so that the backward does not recompute it.

@@ -21,10 +21,14 @@ from jax_padsafe._backends.cute import library
 TARGET_NAME = library.FORWARD_TARGET
 
 
-def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, max_seqlen_q: int,
+def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks=None, *, max_seqlen_q: int,
                   max_seqlen_k: int, scale: float, causal: bool, bottom_right: bool, window_left: int,
                   window_right: int, softcap: float, rows_covered: bool = False, aux=None):
   """Pad-safe flash-attention forward on the packed layout; see the module docstring.
+
+  ``sinks`` (float32 ``[N]``, or None): one attention-sink logit per query head, joined in the kernels'
+  epilogue: ``O_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij))`` and lse includes the sink; a valid
+  row that sees no key gets O = 0 and lse = sink.
 
   ``aux`` (:class:`jax_padsafe._backends.cute.aux.AuxOperands`): a mask and/or bias, for the padded
   layout's ``cu_seqlens`` (sequence b at rows ``b*T``); the aux target then also returns the exact row
@@ -45,6 +49,10 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, 
       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale, softcap=softcap)
   if not q.dtype == k.dtype == v.dtype:
     raise TypeError(f"flash_forward: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+  if sinks is None:
+    sinks = jnp.zeros((0,), jnp.float32)  # the kernels read no sink
+  elif sinks.shape != (n,):
+    raise ValueError(f"flash_forward: sinks must have shape [N] = ({n},), got {sinks.shape}")
   reason = library.unsupported_reason(dtype=q.dtype, head_dim=h, head_dim_v=v.shape[-1], num_heads=n,
                                       num_kv_heads=kh, causal=causal, window=(window_left, window_right),
                                       softcap=softcap, aux=aux is not None, exact=True)
@@ -61,7 +69,7 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *, 
   rows = jax.ShapeDtypeStruct((n, total_q), jnp.float32)
   # The third result is the kernel's scratch: the tile counter of the sm90 compact schedule.
   results = (jax.ShapeDtypeStruct((total_q, n, h), q.dtype), rows, jax.ShapeDtypeStruct((1,), jnp.int32))
-  operands = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+  operands = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks.astype(jnp.float32))
   attrs = {}
   if aux is not None:
     results += (rows, rows)

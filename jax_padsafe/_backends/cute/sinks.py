@@ -1,6 +1,8 @@
-"""Attention sinks on the kernels: the kernels attend without them, and each head's sink then joins the softmax.
+"""Attention sinks around the kernels: joining a sink to a result computed without it, and the sinks' gradient.
 
-A sink adds ``exp(sink_h)`` to every valid row's denominator. From the kernels' ``(o, lse)`` without it,
+The forward kernels join the sinks in their epilogue (``kernels/common/softmax.py``); :func:`forward` joins them
+where no kernel could: decoding's split-key rewrite (chunks see part of each row) and the pure-JAX fallback.
+A sink adds ``exp(sink_h)`` to every valid row's denominator. From ``(o, lse)`` without it,
 ``lse' = logaddexp(lse, sink)`` and ``o' = o * exp(lse - lse')``: the output is the same weighted sum of V
 with every weight scaled by ``exp(lse - lse')``. In the backward, the kernels take ``o'`` and ``lse'``: they
 recompute ``P = exp(s - lse')``, the probabilities *with* the sink, and ``Delta = rowsum(dO * o')`` is

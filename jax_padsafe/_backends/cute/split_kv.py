@@ -27,6 +27,9 @@ Several rows with bottom-right causal masking (speculative decoding, small prefi
 keys before ``kv_len - q_len + 1``: those are split as above, and the last ``q_len - 1`` keys (the
 diagonal) go to one more kernel call with causal masking in the same alignment, unpacked, whose result
 is merged like a chunk's.
+Attention sinks (one logit per query head) go to the kernels where the plan leaves the call unchanged; a
+rewritten call's chunks see part of each row (and a packed tile mixes heads), so the sinks join the merged
+result instead (``sinks.forward``).
 ``eligible`` checks that and that the rows come from lengths (one run per batch row starting at
 row 0, the problem's ``lengths`` layout: ``split_kv_to_runs``) or from the packed layout (``split_kv_packed``:
 each sequence's query rows, at most ``max_seqlen_q``, are gathered into a dense block and the results
@@ -44,6 +47,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from jax_padsafe._backends import partitioning
+from jax_padsafe._backends.cute import sinks as sink_ops
 from jax_padsafe._core import visibility
 
 # Query rows per kernel tile (block_m of the kernels that run on the GPUs we ship for: sm90 and the
@@ -143,7 +147,7 @@ def merge_partials(o, lse):
   return out, jnp.where(empty, ninf, mx_safe + jnp.log(tot))
 
 
-def _rewritten_call(packed_fn, p: Plan, q, q_len, k, v, k_base, k_end, kv_len, static):
+def _rewritten_call(packed_fn, p: Plan, q, q_len, k, v, k_base, k_end, kv_len, static, sinks=None):
   """The rewritten kernel call(s) for dense query rows and keys in place.
 
   Args:
@@ -153,6 +157,7 @@ def _rewritten_call(packed_fn, p: Plan, q, q_len, k, v, k_base, k_end, kv_len, s
     k, v: ``[total_k, K, H]``; sequence ``b``'s keys are rows ``k_base[b] + [0, kv_len[b])``, inside its
       slot ``[k_base[b], k_end[b])`` (slots in order, not overlapping).
     static: the call's static arguments (``flash_forward``'s keywords).
+    sinks: the attention sinks ``[N]`` float32, joined to the merged result, or None.
 
   Returns:
     ``o [B, T, N, H]`` (q's dtype) and ``lse [B, N, T]`` float32, padded rows exactly 0.
@@ -185,6 +190,8 @@ def _rewritten_call(packed_fn, p: Plan, q, q_len, k, v, k_base, k_end, kv_len, s
   valid = _valid_rows(t, q_len)
   o = visibility.select_rows(o, valid).astype(q.dtype)
   lse = visibility.select_rows(lse, valid).transpose(0, 2, 1)
+  if sinks is not None:
+    o, lse, _ = sink_ops.forward(o, lse, sinks, valid)
   return o, lse
 
 
@@ -264,15 +271,16 @@ def split_kv_to_runs(packed_fn):
   plain = partitioning.packed_to_runs(packed_fn)
 
   @functools.wraps(packed_fn)
-  def padded(q, k, v, q_start, q_used, k_start, k_used, **static):
+  def padded(q, k, v, q_start, q_used, k_start, k_used, *sinks, **static):
     b, t, n, h = q.shape
     s, nk = k.shape[1], k.shape[2]
     p = _plan_for(static, b, t, n, nk, s)
     if not p.changes_call or q_used.shape[1] != 1:
-      return plain(q, k, v, q_start, q_used, k_start, k_used, **static)
+      return plain(q, k, v, q_start, q_used, k_start, k_used, *sinks, **static)
     base = jnp.arange(b, dtype=jnp.int32) * s
     return _rewritten_call(packed_fn, p, q, jnp.clip(q_used[:, 0], 0, t), k.reshape(b * s, nk, h),
-                           v.reshape(b * s, nk, v.shape[-1]), base, base + s, k_used[:, 0], static)
+                           v.reshape(b * s, nk, v.shape[-1]), base, base + s, k_used[:, 0], static,
+                           sinks[0] if sinks else None)
 
   return padded
 
@@ -284,13 +292,13 @@ def split_kv_packed(packed_fn):
   Calls the plan leaves unchanged go to ``packed_fn`` itself."""
 
   @functools.wraps(packed_fn)
-  def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, **static):
+  def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks=None, **static):
     total_q, n, h = q.shape
     nk = k.shape[1]
     b, rows = seqused_q.shape[0], int(static["max_seqlen_q"])
     p = _plan_for(static, b, rows, n, nk, int(static["max_seqlen_k"]))
     if not p.changes_call or b == 0 or total_q == 0:
-      return packed_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, **static)
+      return packed_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks, **static)
     cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
     q_len = jnp.clip(seqused_q, 0, jnp.minimum(cu_q[1:] - cu_q[:-1], rows))
     r = jnp.arange(rows, dtype=jnp.int32)[None, :]
@@ -298,7 +306,7 @@ def split_kv_packed(packed_fn):
     used = _valid_rows(rows, q_len)
     # Rows past a sequence's used rows are padding of the rewritten call: any in-bounds row will do.
     qd = q[jnp.clip(row_of, 0, total_q - 1)]
-    o, lse = _rewritten_call(packed_fn, p, qd, q_len, k, v, cu_k[:-1], cu_k[1:], seqused_k, static)
+    o, lse = _rewritten_call(packed_fn, p, qd, q_len, k, v, cu_k[:-1], cu_k[1:], seqused_k, static, sinks)
     # Back to the packed rows: each used row once; the rest (and rows of no sequence) stay exactly 0.
     dest = jnp.where(used, row_of, total_q).reshape(-1)
     o_packed = jnp.zeros((total_q, n, o.shape[-1]), o.dtype).at[dest].set(

@@ -34,7 +34,7 @@ class Signature:
 
 
 # C initialisers from JpsFwdArgs / JpsBwdArgs: [total_q, N, H] and [total_k, K, H] tensors (H static), [N, total_q]
-# float32 rows, cu_seqlens [B + 1] and seqused [B].
+# float32 rows, cu_seqlens [B + 1] and seqused [B]; the forward's attention sinks, float32 [N] or [0] (none).
 _Q = "{a->%s, {a->total_q, a->num_heads}, {(int64_t)a->num_heads * a->head_dim}}"
 _K = "{a->%s, {a->total_k, a->num_kv_heads}, {(int64_t)a->num_kv_heads * a->head_dim}}"
 _R = "{a->%s, {a->num_heads, a->total_q}, {(int64_t)a->total_q}}"
@@ -44,7 +44,7 @@ _US = "{a->%s, {a->batch}}"
 _FWD = (
     Tensor("mQ", _Q % "q", "q", 2, 1), Tensor("mK", _K % "k", "k", 2, 1), Tensor("mV", _K % "v", "v", 2, 1),
     Tensor("mO", _Q % "o", "o", 2, 1), Tensor("mLSE", _R % "lse", "lse", 2, 1),
-    Tensor("mCuQ", _CU % "cu_q", "cuq", 1), Tensor("mCuK", _CU % "cu_k", "cuk", 1),
+    Tensor("mSinks", "{a->sinks, {a->num_sinks}}", "snk", 1), Tensor("mCuQ", _CU % "cu_q", "cuq", 1), Tensor("mCuK", _CU % "cu_k", "cuk", 1),
     Tensor("mUsedQ", _US % "used_q", "uq", 1), Tensor("mUsedK", _US % "used_k", "uk", 1),
 )
 _FWD_SCALARS = "a->score_mul, a->cap_mul, a->window_left, a->window_right, a->bottom_right, a->max_seqlen_q"
@@ -242,10 +242,11 @@ def _compile_fwd(v: Variant, out: str, kern, counter: bool) -> dict:
 
     q, k, v_, o = qkv(), qkv(), qkv(), qkv()
     lse = make_fake_compact_tensor(cutlass.Float32, (sym(), sym()), stride_order=(1, 0), assumed_align=4)
+    sinks = make_fake_compact_tensor(cutlass.Float32, (sym(),), assumed_align=4)
     # cu_seqlens_q/k, seqused_q/k (+ the sm90 family's tile counter).
     vec = [make_fake_compact_tensor(cutlass.Int32, (sym(),), assumed_align=4) for _ in range(5 if counter else 4)]
     aux, flags = (_fake_aux(dt), (0,)) if v.aux else ((), ())
-    compiled = cute.compile(kern, q, k, v_, o, lse, *vec, *aux, 1.0, 1.0, 0, 0, 0, 1, *flags, make_fake_stream(),
+    compiled = cute.compile(kern, q, k, v_, o, lse, sinks, *vec, *aux, 1.0, 1.0, 0, 0, 0, 1, *flags, make_fake_stream(),
                             options=f"--gpu-arch {v.arch}")
     _export(compiled, out, v.prefix)
     return {}

@@ -19,6 +19,7 @@ import cutlass
 import cutlass.cute as cute
 
 LN2 = math.log(2.0)
+LOG2_E = math.log2(math.e)
 
 
 def quad_allreduce(val, op):
@@ -50,23 +51,56 @@ def online_softmax_step(
 
 
 @cute.jit
-def finalize(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor, mul: cutlass.Float32):
+def read_sink(mSinks: cute.Tensor, head: cutlass.Int32):
+    """The sink logit of `head` (natural units), or -inf where the call has none (`mSinks` then has no
+    elements)."""
+    sink = -cutlass.Float32.inf
+    if cute.size(mSinks.shape[0]) > 0:
+        sink = mSinks[head]
+    return sink
+
+
+@cute.jit
+def _row_total(m2: cutlass.Float32, l: cutlass.Float32, sink: cutlass.Float32):
+    """(M, a, l'): the row's log2-domain max M = max(m2, sink * log2 e), the factor a = exp2(m2 - M) that
+    rescales what the keys contributed, and the denominator with the sink, l' = l * a + exp2(sink * log2 e - M)
+    (a non-empty row: l > 0, m2 finite, or NaN throughout).  Differences are taken before the exponentials,
+    so neither a sink far above the scores nor one far below overflows."""
+    s2 = sink * LOG2_E
+    big = cute.arch.fmax(m2, s2)
+    a = cute.math.exp2(m2 - big, fastmath=True)
+    return big, a, l * a + cute.math.exp2(s2 - big, fastmath=True)
+
+
+@cute.jit
+def finalize(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor, mul: cutlass.Float32,
+             sink: cutlass.Float32):
     """O /= l and lse = (m*mul + log2 l) * ln 2 per row.  A row that saw no visible key (l = 0: every
     probability was selected to 0) gets O = 0 exactly and lse = -inf (selects, no 0 * x).
 
     Empty is l == 0, not m == -inf: the max (fmax) skips NaN, so a valid row whose every score is NaN
     (NaN in its query) keeps m = -inf and would pass for empty, output 0, where plain attention gives
     NaN.  Its l is NaN, so it is not empty and O and lse come out NaN.  For finite scores the two tests
-    agree (the row's maximum contributes exp2(0) = 1 to l), so no finite result changes."""
+    agree (the row's maximum contributes exp2(0) = 1 to l), so no finite result changes.
+
+    `sink` (natural units; -inf: none, and the code above runs unchanged) joins the denominator:
+    O = acc * a / l', lse = (M + log2 l') * ln 2 (`_row_total`), and a row without a visible key gets O = 0
+    and lse = sink."""
+    has_sink = sink != -cutlass.Float32.inf
     for r in cutlass.range_constexpr(cute.size(row_max)):
         l = quad_allreduce(row_sum[r], lambda a, b: a + b)
         m = row_max[r]
         empty = l == cutlass.Float32(0.0)
         inv = cutlass.Float32(0.0)
-        lse_r = -cutlass.Float32.inf
+        lse_r = sink
         if not empty:
-            inv = cute.arch.rcp_approx(l)
-            lse_r = (m * mul + cute.math.log2(l, fastmath=False)) * LN2
+            if has_sink:
+                big, a, total = _row_total(m * mul, l, sink)
+                inv = cute.arch.rcp_approx(total) * a
+                lse_r = (big + cute.math.log2(total, fastmath=False)) * LN2
+            else:
+                inv = cute.arch.rcp_approx(l)
+                lse_r = (m * mul + cute.math.log2(l, fastmath=False)) * LN2
         o_mn[r, None] = o_mn[r, None].load() * inv
         for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
             if empty:
@@ -76,41 +110,60 @@ def finalize(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse:
 
 @cute.jit
 def finalize_with_stats(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor,
-                        mul: cutlass.Float32, max_out: cute.Tensor, log_sum: cute.Tensor):
+                        mul: cutlass.Float32, max_out: cute.Tensor, log_sum: cute.Tensor, sink: cutlass.Float32):
     """`finalize` (raw scores, exp2 domain: the mask-only aux variants) that also gives the row statistics
-    in natural units, as `finalize_exact` does: max_out = m * mul * ln 2, log_sum = ln l; a row that saw no
-    visible key gets (0, +inf)."""
-    finalize(o_mn, row_max, row_sum, lse, mul)
+    in natural units, as `finalize_exact` does: max_out = M * ln 2, log_sum = ln l' (M = m * mul and l' = l
+    without a sink); a row that saw no visible key gets (0, +inf)."""
+    finalize(o_mn, row_max, row_sum, lse, mul, sink)
+    has_sink = sink != -cutlass.Float32.inf
     for r in cutlass.range_constexpr(cute.size(row_max)):
         l = quad_allreduce(row_sum[r], lambda a, b: a + b)
         m_r = cutlass.Float32(0.0)
         ln_l = cutlass.Float32.inf
         if l != cutlass.Float32(0.0):
-            m_r = row_max[r] * mul * LN2
-            ln_l = cute.math.log2(l, fastmath=False) * LN2
+            if has_sink:
+                big, _, total = _row_total(row_max[r] * mul, l, sink)
+                m_r = big * LN2
+                ln_l = cute.math.log2(total, fastmath=False) * LN2
+            else:
+                m_r = row_max[r] * mul * LN2
+                ln_l = cute.math.log2(l, fastmath=False) * LN2
         max_out[r] = m_r
         log_sum[r] = ln_l
 
 
 @cute.jit
 def finalize_exact(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor,
-                   max_out: cute.Tensor, log_sum: cute.Tensor):
+                   max_out: cute.Tensor, log_sum: cute.Tensor, sink: cutlass.Float32):
     """`finalize` for natural-unit scores (mul = log2 e, `exact` steps): O /= l, lse = m + ln l, and the
     backward's exact statistics max_out = m, log_sum = ln l.  A row that saw no visible key gets O = 0,
-    lse = -inf, max_out = 0 and log_sum = +inf (P = exp(s - 0 - inf) = 0 for every s)."""
+    lse = -inf, max_out = 0 and log_sum = +inf (P = exp(s - 0 - inf) = 0 for every s).
+
+    With a `sink` (natural units): M = max(m, sink), l' = l exp(m - M) + exp(sink - M), O = acc exp(m - M) / l',
+    lse = M + ln l', max_out = M, log_sum = ln l'; a row without a visible key gets lse = sink and (0, +inf)."""
+    has_sink = sink != -cutlass.Float32.inf
     for r in cutlass.range_constexpr(cute.size(row_max)):
         l = quad_allreduce(row_sum[r], lambda a, b: a + b)
         m = row_max[r]
         empty = l == cutlass.Float32(0.0)
         inv = cutlass.Float32(0.0)
-        lse_r = -cutlass.Float32.inf
+        lse_r = sink
         m_r = cutlass.Float32(0.0)
         ln_l = cutlass.Float32.inf
         if not empty:
-            inv = cute.arch.rcp_approx(l)
-            ln_l = cute.math.log2(l, fastmath=False) * LN2
-            lse_r = m + ln_l
-            m_r = m
+            if has_sink:
+                big = cute.arch.fmax(m, sink)
+                a = cute.math.exp2((m - big) * LOG2_E, fastmath=True)
+                total = l * a + cute.math.exp2((sink - big) * LOG2_E, fastmath=True)
+                inv = cute.arch.rcp_approx(total) * a
+                ln_l = cute.math.log2(total, fastmath=False) * LN2
+                lse_r = big + ln_l
+                m_r = big
+            else:
+                inv = cute.arch.rcp_approx(l)
+                ln_l = cute.math.log2(l, fastmath=False) * LN2
+                lse_r = m + ln_l
+                m_r = m
         o_mn[r, None] = o_mn[r, None].load() * inv
         for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
             if empty:

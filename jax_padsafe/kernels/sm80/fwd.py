@@ -73,6 +73,7 @@ class FlashFwdSm80:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
         mUsedQ: cute.Tensor,
@@ -110,7 +111,7 @@ class FlashFwdSm80:
             cute.size(mUsedQ.shape[0]),
         )
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK,
+            mQ, mK, mV, mO, mLSE, mSinks, mCuQ, mCuK, mUsedQ, mUsedK,
             score_mul, cap_mul, window_left, window_right, bottom_right,
             sQ_layout, sKV_layout, copy_in, copy_out, tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
@@ -123,6 +124,7 @@ class FlashFwdSm80:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
         mUsedQ: cute.Tensor,
@@ -146,7 +148,7 @@ class FlashFwdSm80:
         q_start, q_len = bounds.used_length(mCuQ, mUsedQ, batch)
         if m_block * self.block_m < q_len:
             args = (
-                mQ, mK, mV, mO, mLSE, mCuK, mUsedK, score_mul, cap_mul,
+                mQ, mK, mV, mO, mLSE, mSinks, mCuK, mUsedK, score_mul, cap_mul,
                 window_left, window_right, bottom_right, sQ_layout, sKV_layout,
                 copy_in, copy_out, tiled_mma, SharedStorage, m_block, head, batch, q_start, q_len,
             )
@@ -161,6 +163,7 @@ class FlashFwdSm80:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
         mCuK: cute.Tensor,
         mUsedK: cute.Tensor,
         score_mul: cutlass.Float32,
@@ -318,6 +321,8 @@ class FlashFwdSm80:
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
         lse_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        # The head's attention sink joins each row's denominator here (-inf: the call has none).
+        sink = softmax.read_sink(mSinks, head)
         max_rows, logsum_rows = None, None
         if cutlass.const_expr(self.aux):
             max_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
@@ -326,13 +331,13 @@ class FlashFwdSm80:
                 # The plain epilogue (this kind's backward reads lse), plus m and ln l in natural units: the
                 # aux ABI returns them whatever the kind.
                 softmax.finalize_with_stats(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows, mul, max_rows,
-                                            logsum_rows)
+                                            logsum_rows, sink)
             else:
                 # m and ln l kept apart (lse = m + ln l rounds to m when |m| >> ln l): the backward's exact P.
                 softmax.finalize_exact(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows, max_rows,
-                                       logsum_rows)
+                                       logsum_rows, sink)
         else:
-            softmax.finalize(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows, mul)
+            softmax.finalize(masking.acc_mn_view(acc_O), row_max, row_sum, lse_rows, mul, sink)
 
         # lse (and the aux variant's row statistics): one thread of each quad writes its valid rows.
         cO_mn = masking.acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BM, HD))))
@@ -438,6 +443,7 @@ class FlashFwdSm80Aux(FlashFwdSm80):
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
         mUsedQ: cute.Tensor,
@@ -484,7 +490,7 @@ class FlashFwdSm80Aux(FlashFwdSm80):
             cute.size(mUsedQ.shape[0]),
         )
         self.kernel_aux(
-            mQ, mK, mV, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK,
+            mQ, mK, mV, mO, mLSE, mSinks, mCuQ, mCuK, mUsedQ, mUsedK,
             mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, mSlopes,
             score_mul, cap_mul, window_left, window_right, bottom_right, aux_flags,
             sQ_layout, sKV_layout, copy_in, copy_out, tiled_mma, SharedStorage,
@@ -498,6 +504,7 @@ class FlashFwdSm80Aux(FlashFwdSm80):
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
         mUsedQ: cute.Tensor,
@@ -530,7 +537,7 @@ class FlashFwdSm80Aux(FlashFwdSm80):
             view = aux_scores.view(mMask, mBias, mBias32, mTileMap, mRowRange, mRowRange, mSlopes, aux_flags, batch,
                                    head, mQ.shape[1])
             self.tile(
-                mQ, mK, mV, mO, mLSE, mCuK, mUsedK, score_mul, cap_mul,
+                mQ, mK, mV, mO, mLSE, mSinks, mCuK, mUsedK, score_mul, cap_mul,
                 window_left, window_right, bottom_right, sQ_layout, sKV_layout,
                 copy_in, copy_out, tiled_mma, SharedStorage, m_block, head, batch, q_start, q_len,
                 True, (view, mRowMax, mLogSum),

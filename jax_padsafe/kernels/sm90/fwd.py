@@ -143,6 +143,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
         mUsedQ: cute.Tensor,
@@ -156,12 +157,12 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         max_seqlen_q: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        self.launch(mQ, mK, mV, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul, window_left,
-                    window_right, bottom_right, max_seqlen_q, stream)
+        self.launch(mQ, mK, mV, mO, mLSE, mSinks, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul,
+                    window_left, window_right, bottom_right, max_seqlen_q, stream)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               mCuQ: cute.Tensor, mCuK: cute.Tensor, mUsedQ: cute.Tensor, mUsedK: cute.Tensor,
+               mSinks: cute.Tensor, mCuQ: cute.Tensor, mCuK: cute.Tensor, mUsedQ: cute.Tensor, mUsedK: cute.Tensor,
                mTileCounter: cute.Tensor, score_mul: cutlass.Float32, cap_mul: cutlass.Float32,
                window_left: cutlass.Int32, window_right: cutlass.Int32, bottom_right: cutlass.Int32,
                max_seqlen_q: cutlass.Int32, stream: cuda.CUstream, aux_in=None):
@@ -214,15 +215,15 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         # The compact kernel takes its tiles per head where the dense one takes n_mb.
         if tile_schedule.use_compact_grid(max_seqlen_q, cute.size(mQ.shape[0]), batch, BM) != 0:
             self.launch_schedule(True, compact_per_head, num_heads, batch, tma_atom_Q, tma_Q, tma_atom_K, tma_K,
-                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter,
-                                 score_mul, cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout,
-                                 tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream,
+                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mSinks, mCuQ, mCuK, mUsedQ, mUsedK,
+                                 mTileCounter, score_mul, cap_mul, window_left, window_right, bottom_right,
+                                 sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream,
                                  aux_in)
         else:
             self.launch_schedule(False, n_mb, num_heads, batch, tma_atom_Q, tma_Q, tma_atom_K, tma_K,
-                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter,
-                                 score_mul, cap_mul, window_left, window_right, bottom_right, sQ_layout, sKV_layout,
-                                 tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream,
+                                 tma_atom_V, tma_V, mK, mQ, mO, mLSE, mSinks, mCuQ, mCuK, mUsedQ, mUsedK,
+                                 mTileCounter, score_mul, cap_mul, window_left, window_right, bottom_right,
+                                 sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, stream,
                                  aux_in)
 
     def make_mma_qk(self):
@@ -247,6 +248,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         tma_V: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
         mUsedQ: cute.Tensor,
@@ -328,8 +330,8 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
                                  pipe_q, pipe_k, pipe_v, sched)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk, tiled_mma_pv, copy_out,
-                         score_mul, cap_mul, sched, queue)
+            self.consume(sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, mSinks, tiled_mma_qk, tiled_mma_pv,
+                         copy_out, score_mul, cap_mul, sched, queue)
 
     @cute.jit
     def consume(
@@ -343,6 +345,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         pipe_v,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         copy_out: cute.TiledCopy,
@@ -402,9 +405,9 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         opaque_zero = sched.tiles_per_cta >> 30  # < 2^30: 0, but a kernel argument, so no compiler knows it
-        ctx = (sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out, copy_r2s,
-               thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP, tOrP, score_mul,
-               cap_mul, mul, tidx, wg, opaque_zero)
+        ctx = (sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, mSinks, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv,
+               copy_out, copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha,
+               rP, tOrP, score_mul, cap_mul, mul, tidx, wg, opaque_zero)
         if cutlass.const_expr(queue is None):
             for j in cutlass.range(sched.tiles_per_cta, unroll=1):
                 state_q, state = self.consume_or_zero(self.tile_info(j, sched), ctx, state_q, state, sched)
@@ -427,17 +430,17 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         BM, HD = self.block_m, self.head_dim
         (present, m_block, head, _, q_start, q_len, _, k_len, off, left, right, n_min, n_max, in_grid,
          q_slot, batch) = info
-        (sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out, copy_r2s,
-         thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP, tOrP, score_mul,
-         cap_mul, mul, tidx, wg, opaque_zero) = ctx
+        (sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, mSinks, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
+         copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP, tOrP,
+         score_mul, cap_mul, mul, tidx, wg, opaque_zero) = ctx
         if present:
             aux_tile = None
             if cutlass.const_expr(self.aux):
                 # The mask / bias of this tile's (sequence, query head); [n_min, n_max) is already narrowed.
                 aux_tile = (fwd_aux.tile_view(sched.aux, batch, head, sched.num_heads), sched.aux)
             state_q, state = self.consume_tile(
-                sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
-                copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
+                sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, mSinks, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv,
+                copy_out, copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
                 tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg, opaque_zero,
                 m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max, aux_tile)
         elif in_grid:
@@ -447,8 +450,8 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
 
     @cute.jit
     def consume_tile(
-        self, sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
-        copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
+        self, sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, mSinks, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv,
+        copy_out, copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
         tOrP, state_q, state, score_mul, cap_mul, mul, tidx, wg, opaque_zero,
         m_block, head, q_start, q_len, q_slot, k_len, off, left, right, n_min, n_max, aux_tile=None,
     ):
@@ -520,6 +523,8 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
 
         # ---- epilogue
         lse_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        # The head's attention sink joins each row's denominator here (-inf: the call has none).
+        sink = softmax.read_sink(mSinks, head)
         if cutlass.const_expr(self.aux):
             # lse, and the row max and ln(row sum) in natural units apart (a row with no visible key: O = 0,
             # lse = -inf, m = 0, ln l = +inf), written for the valid rows by both kinds alike.  "bias": lse =
@@ -528,11 +533,12 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
             max_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
             logsum_rows = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
             if cutlass.const_expr(self.aux_exact):
-                softmax.finalize_exact(o_mn, row_max, row_sum, lse_rows, max_rows, logsum_rows)
+                softmax.finalize_exact(o_mn, row_max, row_sum, lse_rows, max_rows, logsum_rows, sink)
             else:
-                softmax.finalize_with_stats(o_mn, row_max, row_sum, lse_rows, mul, max_rows, logsum_rows)
+                softmax.finalize_with_stats(o_mn, row_max, row_sum, lse_rows, mul, max_rows, logsum_rows,
+                                            sink)
         else:
-            softmax.finalize(o_mn, row_max, row_sum, lse_rows, mul)
+            softmax.finalize(o_mn, row_max, row_sum, lse_rows, mul, sink)
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(n_rows):
                 i = m0 + cO_mn[r, 0][0]

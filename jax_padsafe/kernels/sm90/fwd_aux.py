@@ -51,6 +51,7 @@ class FwdAuxEntry:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
         mUsedQ: cute.Tensor,
@@ -76,8 +77,8 @@ class FwdAuxEntry:
         """The aux variants' entry (the aux ABI's order).  score_mul: the softmax scale ("bias", natural units)
         or the plain kernel's scale * log2 e ("mask", raw scores); cap_mul is unused (no softcap)."""
         aux_in = FwdAux(mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum, mSlopes, aux_flags)
-        self.launch(mQ, mK, mV, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul, window_left,
-                    window_right, bottom_right, max_seqlen_q, stream, aux_in)
+        self.launch(mQ, mK, mV, mO, mLSE, mSinks, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, score_mul, cap_mul,
+                    window_left, window_right, bottom_right, max_seqlen_q, stream, aux_in)
 
 
 @cute.jit

@@ -77,7 +77,7 @@ class FwdTileSchedule:
 
     @cute.jit
     def launch_schedule(self, compact: cutlass.Constexpr, per_seq_or_head, num_heads, batch, tma_atom_Q, tma_Q,
-                        tma_atom_K, tma_K, tma_atom_V, tma_V, mK, mQ, mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK,
+                        tma_atom_K, tma_K, tma_atom_V, tma_V, mK, mQ, mO, mLSE, mSinks, mCuQ, mCuK, mUsedQ, mUsedK,
                         mTileCounter, score_mul, cap_mul, window_left, window_right, bottom_right, sQ_layout,
                         sKV_layout, tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes: cutlass.Constexpr,
                         kv_bytes: cutlass.Constexpr, SharedStorage: cutlass.Constexpr, stream, aux_in=None):
@@ -104,8 +104,8 @@ class FwdTileSchedule:
             aux_arg = (aux_in,)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mO, mLSE, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, mK.shape[1], mQ.shape[1], per_seq_or_head, batch,
-            tiles_per_cta, score_mul, cap_mul, window_left, window_right, bottom_right,
+            mO, mLSE, mSinks, mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter, mK.shape[1], mQ.shape[1], per_seq_or_head,
+            batch, tiles_per_cta, score_mul, cap_mul, window_left, window_right, bottom_right,
             sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv, copy_out, q_bytes, kv_bytes, SharedStorage, compact,
             *aux_arg,
         ).launch(
