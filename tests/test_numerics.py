@@ -111,12 +111,13 @@ def test_cancellation_large_logits(impl, dtype, request):
   """The same with the shared component seen by the queries: every logit of a row moves by ~90 (scale * 50 *
   15), which the softmax removes but P's float32 rounding does not (exp of s - lse at |s| ~ 90)."""
   if impl == "xla" and dtype == jnp.float32:
-    # A known gap of the pure-JAX path in float32: dK along the queries' shared component, scale * 50 *
-    # sum_i dS_ij, is 3.3x the naive attention's error (2026-11-26, CPU; 1.2x at a shared component of 10, 6x
-    # at 30), O and dV about 3x (inside eps there). The logits are the cause: XLA's float32 dot of q and k
-    # is off by 3.4e-5 at |s| ~ 97 where NumPy's (the naive attention's) is off by 1.8e-5 (their summation
-    # orders), and P inherits it. bf16 / fp16 pass. Strict: a fix turns this into a failure to remove.
-    request.applymarker(pytest.mark.xfail(strict=True, reason="pure-JAX float32 P at logits ~90"))
+    # A known gap of the pure-JAX path in float32 that depends on the CPU: dK along the queries' shared
+    # component, scale * 50 * sum_i dS_ij, was 3.3x the naive attention's error on one CPU (2026-11-26; 1.2x at
+    # a shared component of 10, 6x at 30) and 1.2x on another (2026-11-28). The logits are the cause: XLA's
+    # float32 dot of q and k was off by 3.4e-5 at |s| ~ 97 where NumPy's (the naive attention's) was off by
+    # 1.8e-5, and the summation order of XLA's CPU dot is the machine's. bf16 / fp16 pass. Not strict, since
+    # it passes where the dot sums favourably (docs/design.md: the centred keys that fix it, not used).
+    request.applymarker(pytest.mark.xfail(strict=False, reason="pure-JAX float32 P at logits ~90 (CPU-dependent)"))
   p = cancellation_problem(38, True, bias=False)
   p.q[..., 0] = 50.0
   contract(p, dtype, impl)

@@ -310,7 +310,7 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
     # more pass over the keys.
     def delta_step(acc, blk):
       s, vis, _ = _block_logits(spec, qg, q_seg, q_pos, {**blk, **whole})
-      p = jnp.where(vis, jnp.exp((s - m_safe[..., None]) - log_l[..., None]), _F32(0))
+      p = jnp.where(vis, jnp.exp(jnp.minimum(s - m_safe[..., None], _F32(0)) - log_l[..., None]), _F32(0))
       dp = _einsum("btkgh,bskh->bkgts", dog, blk["v"], dtype)
       return acc + jnp.sum(jnp.where(vis, p * dp, _F32(0)), axis=-1), None
 
@@ -342,8 +342,12 @@ def backward(spec: AttentionSpec, q, k, v, bias, mask, q_seg, k_seg, q_pos, k_po
   def step(carry, blk):
     dq, eps, pk = carry
     s, vis, tanh_s = _block_logits(spec, qg, q_seg, q_pos, {**blk, **whole})
-    # s >= m within a row, so s - m is finite (or -inf past float32's range: exp gives 0).
-    p = jnp.where(vis, jnp.exp((s - m_safe[..., None]) - log_l[..., None]), _F32(0))
+    # s <= m within a row, so s - m is finite (or -inf past float32's range: exp gives 0).  The logits
+    # recomputed here may round differently from the forward's (XLA is free to emit a product another way
+    # in another program), which at logits ~1e10 would put s above m by far more than exp's range:
+    # min(s - m, 0) keeps P <= exp(-log l) whatever that rounding, and changes nothing where s <= m (NaN
+    # still propagates).
+    p = jnp.where(vis, jnp.exp(jnp.minimum(s - m_safe[..., None], _F32(0)) - log_l[..., None]), _F32(0))
     dv_blk = _einsum("bkgts,btkgh->bskh", p, dog, dtype, like=blk["v"])
     dp = _einsum("btkgh,bskh->bkgts", dog, blk["v"], dtype)
     ds = jnp.where(vis, p * (dp - delta[..., None]), _F32(0))  # d loss / d (capped logit + bias)
