@@ -56,8 +56,10 @@ def dot_product_attention(
   Args:
     query, key, value: bfloat16, float16 or float32 arrays of one dtype.
     bias: optional additive bias broadcastable to ``[B, N, T, S]``; ``-inf`` hides a key exactly
-      like the mask. Differentiable.
-    mask: optional boolean mask broadcastable to ``[B, N, T, S]`` (``True`` = attend).
+      like the mask. Differentiable. Its head dimension may also be ``K``: one entry per key/value
+      head, shared by that head's group of query heads (then on the pure-JAX path).
+    mask: optional boolean mask broadcastable to ``[B, N, T, S]`` (``True`` = attend), or given per
+      key/value head like ``bias``.
     scale: logit scale, default ``1 / sqrt(H)``.
     is_causal: causal masking ``j <= i + off`` (see ``causal_alignment``).
     query_seq_lengths, key_value_seq_lengths: int ``[B]`` valid lengths; rows at or past them are
@@ -117,10 +119,13 @@ def dot_product_attention(
   if key.shape[0] != b:
     raise ValueError(f"query batch ({b}) and key/value batch ({key.shape[0]}) differ")
 
+  kh = key.shape[2]
   bias = None if bias is None else checks.broadcastable_4d(
-      "bias", bias[None] if unbatched and jnp.ndim(bias) == 3 else bias, (b, n, t, s), bool_dtype=False)
+      "bias", bias[None] if unbatched and jnp.ndim(bias) == 3 else bias, (b, n, t, s), bool_dtype=False,
+      num_kv_heads=kh)
   mask = None if mask is None else checks.broadcastable_4d(
-      "mask", mask[None] if unbatched and jnp.ndim(mask) == 3 else mask, (b, n, t, s), bool_dtype=True)
+      "mask", mask[None] if unbatched and jnp.ndim(mask) == 3 else mask, (b, n, t, s), bool_dtype=True,
+      num_kv_heads=kh)
   checks.check_segment_pair(query_segment_ids, key_value_segment_ids)
   sinks = checks.sinks(sinks, n)
   alibi = checks.alibi_slopes(alibi_slopes, b, n)

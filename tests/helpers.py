@@ -165,7 +165,11 @@ def run_padded(p: oracle.Problem, dtype, runner, *, poison="zero", rng=None, d_o
   bias = mask = None
   if p.bias is not None:
     # A bias entry that no visible (query, key) pair reads is padding too; -inf entries stay.
-    used = p.visible().any(axis=tuple(i for i in range(4) if p.bias.shape[i] == 1), keepdims=True)
+    used = p.visible()
+    hx, n = p.bias.shape[1], used.shape[1]
+    if 1 < hx < n:  # a bias per key/value head: an entry is read if any query head of its group reads it
+      used = used.reshape(used.shape[0], hx, n // hx, *used.shape[2:]).any(axis=2)
+    used = used.any(axis=tuple(i for i in range(4) if p.bias.shape[i] == 1), keepdims=True)
     bias = jnp.asarray(np.where(used | np.isneginf(p.bias), p.bias,
                                 poison_like(p.bias.shape, poison, rng)), bias_dtype)
   if p.mask is not None:

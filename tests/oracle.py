@@ -53,8 +53,8 @@ class Problem:
   kv_len: np.ndarray       # [B]
   q_ids: np.ndarray | None = None   # [B, T]
   kv_ids: np.ndarray | None = None  # [B, S]
-  bias: np.ndarray | None = None    # broadcastable [B, N, T, S]
-  mask: np.ndarray | None = None    # broadcastable [B, N, T, S] bool
+  bias: np.ndarray | None = None    # broadcastable [B, N, T, S] (head dim 1, K or N)
+  mask: np.ndarray | None = None    # broadcastable [B, N, T, S] bool (head dim 1, K or N)
   causal: bool = False
   window: tuple | None = None       # (left, right), None side = unbounded
   softcap: float | None = None
@@ -124,10 +124,18 @@ class Problem:
         vis &= j <= i + right
     vis = np.broadcast_to(vis[:, None], (b, n, t, s))
     if self.mask is not None:
-      vis = vis & np.broadcast_to(self.mask, (b, n, t, s))
+      vis = vis & np.broadcast_to(per_query_head(self.mask, n), (b, n, t, s))
     if self.bias is not None:
-      vis = vis & (np.broadcast_to(self.bias, (b, n, t, s)) != -np.inf)
+      vis = vis & (np.broadcast_to(per_query_head(self.bias, n), (b, n, t, s)) != -np.inf)
     return vis
+
+
+def per_query_head(x, n):
+  """A mask or bias ``[Bx, Hx, Tx, Sx]`` given per key/value head (``1 < Hx < N``) as one entry per query
+  head (query head ``h`` reads key/value head ``h // (N // Hx)``); other shapes unchanged."""
+  if x is None or x.shape[1] in (1, n):
+    return x
+  return np.repeat(x, n // x.shape[1], axis=1)
 
 
 def _clean(x, valid):
@@ -208,7 +216,7 @@ def reference(p: Problem, d_out=None, d_lse=None, *, lowp=None):
   if grads:
     do = _clean(d_out, qv)
     dl = np.zeros((b, n, t)) if d_lse is None else np.where(qv[:, None, :], np.asarray(d_lse, np.float64), 0.0)
-  bias = None if p.bias is None else np.broadcast_to(np.asarray(p.bias, np.float64), (b, n, t, s))
+  bias = None if p.bias is None else np.broadcast_to(per_query_head(np.asarray(p.bias, np.float64), n), (b, n, t, s))
   alibi = p.alibi_bias()
   if alibi is not None:
     bias = alibi if bias is None else bias + alibi
@@ -242,6 +250,9 @@ def reference(p: Problem, d_out=None, d_lse=None, *, lowp=None):
     dbias = None
     if p.bias is not None:
       dbias = ds_logits
+      hx = p.bias.shape[1]
+      if 1 < hx < n:  # per key/value head: the sum over each group's query heads
+        dbias = dbias.reshape(b, hx, n // hx, t, s).sum(axis=2)
       for axis in range(4):
         if p.bias.shape[axis] == 1:
           dbias = dbias.sum(axis=axis, keepdims=True)

@@ -101,6 +101,28 @@ def test_boolean_mask(impl):
   contract(p, jnp.float32, impl)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 2, 17, 21), (1, 2, 1, 21)], ids=["full", "per_key"])
+def test_mask_and_bias_per_kv_head(impl, dtype, shape):
+  """A mask and a bias given per key/value head (``[Bx, K, Tx, S]``, GQA 3 query heads per group): every query
+  head of a group reads its key/value head's entry, and dbias sums the group (kernels: not taken yet, the case
+  skips)."""
+  rng = np.random.default_rng(17)
+  p = random_problem(rng, b=2, t=17, s=21, n=6, k=2, q_len=[17, 9], kv_len=[21, 13], causal=True)
+  p.bias = rng.standard_normal(shape)
+  p.bias[rng.random(shape) < 0.1] = -np.inf
+  p.mask = rng.random(shape) < 0.8
+  contract(p, dtype, impl)
+
+
+def test_mask_head_dim_other_than_1_k_or_n_raises():
+  import jax_padsafe
+  q = jnp.zeros((1, 4, 6, 8))
+  k = jnp.zeros((1, 5, 2, 8))
+  with pytest.raises(ValueError, match="may also be K = 2"):
+    jax_padsafe.dot_product_attention(q, k, k, mask=jnp.ones((1, 3, 4, 5), bool))
+
+
 def test_segment_ids(impl):
   """Packed sequences in the padded layout; negative ids are padding and match nothing."""
   rng = np.random.default_rng(16)

@@ -408,7 +408,12 @@ def row_stats_from_kernels(o, row_max, log_sum, num_kv_heads) -> RowStats:
 
 
 def _reduce_to_bias(ds, bias_shape):
-  """Sum ``ds [B, N, T, bk]`` over the axes the bias broadcasts along."""
+  """Sum ``ds [B, N, T, bk]`` over the axes the bias broadcasts along (a bias per key/value head, ``Hx = K``:
+  over each group's query heads)."""
+  b, n, t, bk = ds.shape
+  hx = bias_shape[1]
+  if 1 < hx < n:
+    ds = jnp.sum(ds.reshape(b, hx, n // hx, t, bk), axis=2)
   axes = tuple(i for i in range(3) if bias_shape[i] == 1)
   if bias_shape[3] == 1:
     axes = axes + (3,)

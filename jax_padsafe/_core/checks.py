@@ -142,8 +142,10 @@ def check_lengths_in_range(name, lengths, upper: int):
     raise ValueError(f"{name} must lie in [0, {upper}], got {arr.tolist()}")
 
 
-def broadcastable_4d(name, x, target, *, bool_dtype: bool):
-  """``bias``/``mask`` must be rank 4 (or rank 3 for unbatched inputs) and broadcast to ``target``."""
+def broadcastable_4d(name, x, target, *, bool_dtype: bool, num_kv_heads: int | None = None):
+  """``bias``/``mask`` must be rank 4 (or rank 3 for unbatched inputs) and broadcast to ``target`` ``[B, N, T,
+  S]``; with ``num_kv_heads`` its head dimension may also be ``K``, one entry per key/value head shared by that
+  head's group of query heads."""
   x = jnp.asarray(x)
   if bool_dtype and x.dtype != jnp.bool_:
     raise TypeError(f"{name} must be a boolean array (True = attend), got {x.dtype}")
@@ -151,9 +153,11 @@ def broadcastable_4d(name, x, target, *, bool_dtype: bool):
     raise TypeError(f"{name} must be a floating array, got {x.dtype}")
   if x.ndim != 4:
     raise ValueError(f"{name} must have rank 4 broadcastable to [B, N, T, S] = {target}, got {x.shape}")
-  for have, want in zip(x.shape, target):
-    if have not in (1, want):
-      raise ValueError(f"{name} of shape {x.shape} does not broadcast to [B, N, T, S] = {target}")
+  for axis, (have, want) in enumerate(zip(x.shape, target)):
+    if have in (1, want) or (axis == 1 and have == num_kv_heads):
+      continue
+    per_group = "" if num_kv_heads is None else f" (its head dimension may also be K = {num_kv_heads})"
+    raise ValueError(f"{name} of shape {x.shape} does not broadcast to [B, N, T, S] = {target}{per_group}")
   return x
 
 
