@@ -119,13 +119,13 @@ def test_backward_adapters_pass_tile_counters_to_the_sm90_family_only(tmp_path):
 
 
 def test_bias_variants_carry_the_bias_gradient_kernel(tmp_path):
-    """The "bias" kind's backward exports the bias gradient kernel (the SM80-class one, in both families) after
-    dQ, and its registry row points at it; the other kinds carry null there."""
+    """The "bias" kind's backward exports the bias gradient kernel after dQ, and its registry row points at it;
+    the other kinds carry null there."""
     for fam in ("sm80", "sm90"):
         bias = V.Variant("bwd", "sm_90a", "bf16", 128, False, fam, "bias")
         mask = V.Variant("bwd", "sm_90a", "bf16", 128, False, fam, "mask")
         assert bias.kernels[-1] == "dbias" and "dbias" not in mask.kernels
-        assert bias.options["dbias"] == V.dbias_tile("sm_90a", 128)
+        assert bias.options["dbias"] == V.dbias_tile("sm_90a", 128, fam)
         registry.write(str(tmp_path), [mask, bias])
         text = (tmp_path / "jps_bwd_registry.h").read_text()
         row = next(line for line in text.splitlines() if f'"{bias.prefix}"' in line)
@@ -133,8 +133,15 @@ def test_bias_variants_carry_the_bias_gradient_kernel(tmp_path):
         row = next(line for line in text.splitlines() if f'"{mask.prefix}"' in line)
         assert row.endswith(", 1, 0, 0},")
         assert f"{bias.prefix}_dbias_Tensor_mdBias32_t dbias32 = {{a->dbias32, {{a->dbias32_dims[0]" in text
-    # Two stages of Q, dO, K and V where they fit a block: sm_80's 163 KB takes one at head dim 256.
+    # SM80-class kernel: two stages of Q, dO, K and V where they fit a block: sm_80's 163 KB takes one at head
+    # dim 256.
     assert V.dbias_tile("sm_90a", 256)[3] == 2 and V.dbias_tile("sm_80", 256)[3] == 1
+    # The Hopper kernel (sm90 family up to head dim 128): as many 128 x 64 stages as fit 227 KB, at most 4; the
+    # sm90 family takes the SM80-class kernel above.
+    assert [V.dbias_tile("sm_90a", hd, "sm90") for hd in (64, 96, 128)] == [
+        (128, 64, 384, 4), (128, 64, 384, 3), (128, 64, 384, 2)]
+    assert V.sm90_dbias("sm90", 128) and not V.sm90_dbias("sm90", 192) and not V.sm90_dbias("sm80", 64)
+    assert V.dbias_tile("sm_90a", 192, "sm90") == V.dbias_tile("sm_90a", 192)
 
 
 def test_dense_queue_policy():

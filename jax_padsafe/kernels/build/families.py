@@ -9,7 +9,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from .variants import Variant, ZeroRowsKernel, dbias_tile, sm80_fwd_stages
+from .variants import Variant, ZeroRowsKernel, dbias_tile, sm80_fwd_stages, sm90_dbias
 
 
 @dataclass(frozen=True)
@@ -314,18 +314,24 @@ def _compile_bwd(v: Variant, out: str) -> dict:
 
 
 def _compile_dbias(v: Variant, out: str, x3, f2, i1):
-    """The bias gradient kernel of a "bias" variant: the SM80-class kernel in both families (it runs two GEMMs
-    per visible tile, fed by cp.async, and needs none of the Hopper kernels' machinery to be deterministic)."""
+    """The bias gradient kernel of a "bias" variant, one ABI in both families: the Hopper kernel (TMA producer,
+    wgmma consumers) for the sm90 family where variants.dbias_tile picks it, else the SM80-class kernel (two
+    GEMMs per visible tile fed by cp.async)."""
     import cutlass.cute as cute
     from cutlass.runtime import make_fake_stream
 
-    from ..sm80.bwd_dbias import BwdDBias
-
     dt = _dtype(v)
-    bm, bn, nt, stages = dbias_tile(v.arch, v.head_dim)
+    bm, bn, nt, stages = dbias_tile(v.arch, v.head_dim, v.family)
+    if sm90_dbias(v.family, v.head_dim):
+        from ..sm90.bwd_dbias import BwdDBiasSm90
+
+        kern = BwdDBiasSm90(dt, v.head_dim, bm, bn, stages)
+    else:
+        from ..sm80.bwd_dbias import BwdDBias
+
+        kern = BwdDBias(dt, v.head_dim, bm, bn, nt, stages)
     aux = _fake_aux(dt)
     outs = _fake_aux(dt)[1:3]  # dbias in the input dtype and in float32: the bias's fake tensors
-    kern = BwdDBias(dt, v.head_dim, bm, bn, nt, stages)
     compiled = cute.compile(kern, x3(), x3(), x3(), x3(), f2(), i1(), i1(), i1(), i1(), *aux, *outs,
                             1.0, 0, 0, 0, 1, 1, 0, make_fake_stream(), options=f"--gpu-arch {v.arch}")
     _export(compiled, out, v.prefix + "_dbias")

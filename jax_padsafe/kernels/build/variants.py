@@ -121,9 +121,27 @@ SMEM_PER_SM = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_
                "sm_120a": 99 * 1024}
 
 
-def dbias_tile(arch: str, head_dim: int) -> tuple:
-    """(block_m, block_n, threads, stages) of the bias gradient kernel (the SM80-class one in both families):
-    two stages of its four operand tiles (Q, dO, K, V) where they fit one block of `arch`, else one."""
+# The Hopper bias gradient kernel (sm90/bwd_dbias.py): 128 x 64 tiles (two consumer warpgroups of 64 rows), as many
+# stages of its four operand tiles as fit, at most 4; built for the sm90 family up to this head dim (above, the
+# SM80-class kernel: one 128-row stage of Q, dO, K and V would take 144 KB at 192).
+SM90_DBIAS_TILE = (128, 64)
+SM90_DBIAS_MAX_HEAD_DIM = 128
+
+
+def sm90_dbias(family: str, head_dim: int) -> bool:
+    """Whether `family`'s "bias" variants at `head_dim` take the Hopper bias gradient kernel."""
+    return family == "sm90" and head_dim <= SM90_DBIAS_MAX_HEAD_DIM
+
+
+def dbias_tile(arch: str, head_dim: int, family: str = "sm80") -> tuple:
+    """(block_m, block_n, threads, stages) of the bias gradient kernel of `family`'s "bias" variants: the
+    Hopper kernel for the sm90 family up to SM90_DBIAS_MAX_HEAD_DIM, else the SM80-class one (two stages of its
+    four operand tiles (Q, dO, K, V) where they fit one block of `arch`, else one)."""
+    if sm90_dbias(family, head_dim):
+        block_m, block_n = SM90_DBIAS_TILE
+        stage_bytes = 2 * (block_m + block_n) * head_dim * 2
+        stages = min(4, (SMEM_PER_SM.get(arch, 227 * 1024) - 1024) // stage_bytes)
+        return block_m, block_n, 384, stages
     block_m, block_n, threads = TUNING["sm80"][head_dim].dbias
     stage_bytes = 2 * (block_m + block_n) * head_dim * 2
     stages = 2 if 2 * stage_bytes + 1024 <= SMEM_PER_SM.get(arch, 227 * 1024) else 1
@@ -196,7 +214,7 @@ class Variant:
             opts["fwd_stages"] = sm80_fwd_stages(self.arch, self.head_dim)
         opts.pop("dbias", None)
         if "dbias" in self.kernels:
-            opts["dbias"] = dbias_tile(self.arch, self.head_dim)
+            opts["dbias"] = dbias_tile(self.arch, self.head_dim, self.family)
         if self.aux:
             opts["aux"] = self.aux
         return opts

@@ -26,13 +26,11 @@ clamped loads inside the valid rectangle; every exclusion is a select.  A pair t
 lets in without a visible cell adds exact +0.0 to an accumulator that is never -0.0, so the bits are the same.
 """
 
-from typing import NamedTuple
-
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from ..common import aux_scores, bounds, bwd_scores, masking, tiles
+from ..common import aux_scores, bounds, bwd_scores, dbias_pairs, masking, tiles
 from . import bwd_common as bc
 
 
@@ -43,31 +41,6 @@ def _storage(dtype, sQ_layout, sK_layout, stages: int):
     for st in range(stages):
         fields.update({f"sQ{st}": sQ_layout, f"sdO{st}": sQ_layout, f"sK{st}": sK_layout, f"sV{st}": sK_layout})
     return bc.smem_tiles_struct(dtype, fields)
-
-
-class _Pairs(NamedTuple):
-    """What a CTA needs to walk its (b, h) pairs: pair p is sequence b_first + p // group, query head
-    h_first + p % group."""
-    cu_q: cute.Tensor
-    cu_k: cute.Tensor
-    used_q: cute.Tensor
-    used_k: cute.Tensor
-    mask: cute.Tensor
-    bias: cute.Tensor
-    bias32: cute.Tensor
-    tile_map: cute.Tensor
-    row_range: cute.Tensor
-    slopes: cute.Tensor
-    flags: cutlass.Int32
-    window_left: cutlass.Int32
-    window_right: cutlass.Int32
-    bottom_right: cutlass.Int32
-    m_block: cutlass.Int32
-    n_block: cutlass.Int32
-    b_first: cutlass.Int32
-    h_first: cutlass.Int32
-    group: cutlass.Int32
-    num_heads: cutlass.Int32
 
 
 class BwdDBias:
@@ -174,25 +147,11 @@ class BwdDBias:
         m0 = m_block * BM
         n0 = n_block * BN
 
-        # The live dbias tensor's broadcast sizes (the placeholder is (1, 1, 1, 1), so the max is the live one's).
-        Bx = cutlass.max(cute.size(mdBias.shape[0]), cute.size(mdBias32.shape[0]))
-        Hx = cutlass.max(cute.size(mdBias.shape[1]), cute.size(mdBias32.shape[1]))
-        bx = slice_idx // Hx
-        hx = slice_idx % Hx
         num_heads = cute.size(mQ.shape[1])
-        group = num_heads // Hx  # query heads per bias head
-        # The (b, h) pairs of this slice: every sequence (Bx = 1) or sequence bx, query heads of bias head hx.
-        num_seqs = cute.size(mUsedQ.shape[0])
-        b_first = bx
-        n_pairs = group
-        if Bx == 1:
-            b_first = cutlass.Int32(0)
-            n_pairs = num_seqs * group
-        if b_first >= num_seqs:
-            n_pairs = cutlass.Int32(0)  # not a sequence of this call: nothing is read, the tile gets zeros
-        args = _Pairs(mCuQ, mCuK, mUsedQ, mUsedK, mMask, mBias, mBias32, mTileMap, mRowRange, mSlopes, aux_flags,
-                      window_left, window_right, bottom_right, m_block, n_block, b_first, hx * group, group,
-                      num_heads)
+        args = dbias_pairs.make(mCuQ, mCuK, mUsedQ, mUsedK, mMask, mBias, mBias32, mTileMap, mRowRange, mSlopes,
+                                mdBias, mdBias32, aux_flags, window_left, window_right, bottom_right, num_heads,
+                                m_block, n_block, slice_idx)
+        n_pairs = args.n_pairs
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -233,7 +192,7 @@ class BwdDBias:
         mma = (tiled_mma, thr_mma, copy_a, copy_b, tSrQ_v, tSrQ, tSrK_v, tSrK, tPrdO_v, tPrdO, tPrV_v, tPrV)
         stats = (mRowMax, mLogSum, mDelta, cS_mn, row_max, log_sum2, delta)
 
-        p = self.next_active(cutlass.Int32(0), n_pairs, args)
+        p = dbias_pairs.next_active(cutlass.Int32(0), args, BM, BN)
         if cutlass.const_expr(self.stages == 2):
             # Pair p's tiles sit in stage `par`; the next active pair's are loaded into the other stage while
             # pair p is computed.
@@ -243,7 +202,7 @@ class BwdDBias:
             while p < n_pairs:
                 for par in cutlass.range_constexpr(2):
                     if p < n_pairs:
-                        q = self.next_active(p + 1, n_pairs, args)
+                        q = dbias_pairs.next_active(p + 1, args, BM, BN)
                         cute.arch.barrier()  # every warp is done with the stage this iteration overwrites
                         if q < n_pairs:
                             self.load_pair(q, args, mQ, mK, mV, mdO, loads, dst[1 - par])
@@ -262,60 +221,21 @@ class BwdDBias:
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
                 self.accumulate(p, args, score_mul, mma, src[0], stats, acc_dB)
-                p = self.next_active(p + 1, n_pairs, args)
+                p = dbias_pairs.next_active(p + 1, args, BM, BN)
 
         # Element stores (S may be odd and the tensor only element-aligned), every cell of the tile inside the
         # live tensor, to the live tensor only.
         if (aux_flags & aux_scores.FLAG_BIAS) != 0:
-            self.store(acc_dB, mdBias, bx, hx, m0, n0, cS_mn, self.dtype)
+            rB = cute.make_fragment_like(acc_dB, self.dtype)
+            rB.store(acc_dB.load().to(self.dtype))
+            dbias_pairs.store(masking.acc_mn_view(rB), cS_mn, mdBias, args.bx, args.hx, m0, n0)
         elif (aux_flags & aux_scores.FLAG_BIAS32) != 0:
-            self.store(acc_dB, mdBias32, bx, hx, m0, n0, cS_mn, cutlass.Float32)
+            dbias_pairs.store(masking.acc_mn_view(acc_dB), cS_mn, mdBias32, args.bx, args.hx, m0, n0)
 
     # ------------------------------------------------------------------------------------------ per pair
 
     @cute.jit
-    def pair_bounds(self, p: cutlass.Int32, args: _Pairs):
-        """(b, h, q_start, q_len, k_start, k_len, off, left, right) of pair p."""
-        b = args.b_first + p // args.group
-        h = args.h_first + p % args.group
-        q_start, q_len = bounds.used_length(args.cu_q, args.used_q, b)
-        k_start, k_len = bounds.used_length(args.cu_k, args.used_k, b)
-        off, left, right = bounds.window_bounds(q_len, k_len, args.window_left, args.window_right,
-                                                args.bottom_right)
-        return b, h, q_start, q_len, k_start, k_len, off, left, right
-
-    @cute.jit
-    def pair_view(self, b: cutlass.Int32, h: cutlass.Int32, args: _Pairs) -> aux_scores.AuxView:
-        # The col-range slot of the view is unused here (no query-tile narrowing).
-        return aux_scores.view(args.mask, args.bias, args.bias32, args.tile_map, args.row_range, args.row_range,
-                               args.slopes, args.flags, b, h, args.num_heads)
-
-    @cute.jit
-    def next_active(self, p: cutlass.Int32, n_pairs: cutlass.Int32, args: _Pairs) -> cutlass.Int32:
-        """The first pair >= p that contributes to this tile (n_pairs when none): the tile's rows start below
-        q_len and its key tile lies in the query tile's key-tile range, narrowed by the mask's block summary."""
-        BM = self.block_m
-        BN = self.block_n
-        m_block, n_block = args.m_block, args.n_block
-        q = p
-        searching = q < n_pairs
-        while searching:
-            b, h, _, q_len, _, k_len, off, left, right = self.pair_bounds(q, args)
-            found = cutlass.Boolean(False)
-            if m_block * BM < q_len:
-                n_min, n_max = bounds.n_block_range(m_block, BM, BN, q_len, k_len, off, left, right)
-                n_min, n_max = aux_scores.key_tiles(self.pair_view(b, h, args), m_block, BM, BN, n_min, n_max)
-                if n_block >= n_min and n_block < n_max:
-                    found = cutlass.Boolean(True)
-            if found:
-                searching = cutlass.Boolean(False)
-            else:
-                q = q + 1
-                searching = q < n_pairs
-        return q
-
-    @cute.jit
-    def load_pair(self, p: cutlass.Int32, args: _Pairs, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+    def load_pair(self, p: cutlass.Int32, args: dbias_pairs.Pairs, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                   mdO: cute.Tensor, loads, dst):
         """cp.async pair p's Q and dO rows of the query tile and K and V rows of the key tile into one stage;
         rows past q_len / k_len are zero-filled in shared memory, never read."""
@@ -324,7 +244,7 @@ class BwdDBias:
         HD = self.head_dim
         copy_in, thr_in, tQcQ, tKcK = loads
         m_block, n_block = args.m_block, args.n_block
-        _, h, q_start, q_len, k_start, k_len, _, _, _ = self.pair_bounds(p, args)
+        _, h, q_start, q_len, k_start, k_len, _, _, _ = dbias_pairs.pair_bounds(p, args)
         h_kv = h // (mQ.shape[1] // mK.shape[1])
         gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, h, None]), (BM, HD), (m_block, 0))
         gdO = cute.local_tile(cute.domain_offset((q_start, 0), mdO[None, h, None]), (BM, HD), (m_block, 0))
@@ -336,7 +256,7 @@ class BwdDBias:
         tiles.load_rows_zero_fill(copy_in, thr_in.partition_S(gV), dst[3], tKcK, n_block * BN, k_len)
 
     @cute.jit
-    def accumulate(self, p: cutlass.Int32, args: _Pairs, score_mul: cutlass.Float32, mma, src, stats,
+    def accumulate(self, p: cutlass.Int32, args: dbias_pairs.Pairs, score_mul: cutlass.Float32, mma, src, stats,
                    acc_dB: cute.Tensor):
         """acc_dB += dS of pair p (its tiles in shared memory, the stage's ldmatrix sources `src`)."""
         BM = self.block_m
@@ -344,8 +264,8 @@ class BwdDBias:
         m_block, n_block = args.m_block, args.n_block
         m0 = m_block * BM
         n0 = n_block * BN
-        b, h, q_start, q_len, _, k_len, off, left, right = self.pair_bounds(p, args)
-        view = self.pair_view(b, h, args)
+        b, h, q_start, q_len, _, k_len, off, left, right = dbias_pairs.pair_bounds(p, args)
+        view = dbias_pairs.pair_view(b, h, args)
         tiled_mma, thr_mma, copy_a, copy_b, tSrQ_v, tSrQ, tSrK_v, tSrK, tPrdO_v, tPrdO, tPrV_v, tPrV = mma
         tSsQ, tSsK, tPsdO, tPsV = src
         mRowMax, mLogSum, mDelta, cS_mn, row_max, log_sum2, delta = stats
@@ -370,21 +290,3 @@ class BwdDBias:
         # dS = P * (dP - Delta), 0 by select wherever P = 0 (the softcap factor is unused: no softcap here).
         bwd_scores.dscores(s_mn, masking.acc_mn_view(acc_dP), masking.acc_mn_view(acc_dP), delta, 0, False)
         acc_dB.store(acc_dB.load() + acc_dP.load())
-
-    @cute.jit
-    def store(self, acc: cute.Tensor, mdB: cute.Tensor, bx: cutlass.Int32, hx: cutlass.Int32, m0: cutlass.Int32,
-              n0: cutlass.Int32, cS_mn: cute.Tensor, out_dtype: cutlass.Constexpr):
-        """mdB[bx, hx, i, j] = acc for every cell of the tile inside [0, Tx) x [0, S) of mdB."""
-        rB = cute.make_fragment_like(acc, out_dtype)
-        rB.store(acc.load().to(out_dtype))
-        r_mn = masking.acc_mn_view(rB)
-        rows = cute.size(mdB.shape[2])
-        cols = cute.size(mdB.shape[3])
-        if bx < cute.size(mdB.shape[0]) and hx < cute.size(mdB.shape[1]):
-            gB = mdB[bx, hx, None, None]
-            for r in cutlass.range_constexpr(cute.size(r_mn, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(r_mn, mode=[1])):
-                    i = m0 + cS_mn[r, c][0]
-                    j = n0 + cS_mn[r, c][1]
-                    if i < rows and j < cols:
-                        gB[i, j] = r_mn[r, c]
