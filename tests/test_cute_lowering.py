@@ -96,7 +96,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError):
         _fwd()(q, k, k, cu, cu, jnp.array([3], jnp.int32), used)
     with pytest.raises(NotImplementedError):
-        _fwd()(q[..., :80], k[..., :80], k[..., :80], cu, cu, used, used)
+        _fwd()(q[..., :88], k[..., :88], k[..., :88], cu, cu, used, used)
     with pytest.raises(NotImplementedError):
         _fwd()(q.astype(jnp.float32), k.astype(jnp.float32), k.astype(jnp.float32), cu, cu, used, used)
 
@@ -113,7 +113,7 @@ def test_unsupported_reason():
         assert isinstance(reason, str) and reason
     # Head dims between the built ones run zero-padded to the next built one; the raw kernel entry points
     # (exact=True) take the built ones only.
-    for dims, width in (((80, 80), 96), ((8, 8), 64), ((72, 72), 96), ((200, 200), 256), ((192, 128), 192),
+    for dims, width in (((88, 88), 96), ((8, 8), 64), ((72, 72), 80), ((200, 200), 256), ((192, 128), 192),
                         ((64, 96), 96)):
         assert library.unsupported_reason(**{**base, "head_dim": dims[0], "head_dim_v": dims[1]}) is None
         assert library.unsupported_reason(**{**base, "head_dim": dims[0], "head_dim_v": dims[1]},

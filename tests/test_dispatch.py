@@ -97,7 +97,7 @@ def test_backward_large_head_dims_reach_kernels(kernels_built, h):
   assert TARGET in grad_targets and "jax_padsafe_bwd" in grad_targets
 
 
-@pytest.mark.parametrize("h,width", [(80, 96), (72, 96), (40, 64), (8, 64), (136, 192), (200, 256)])
+@pytest.mark.parametrize("h,width", [(88, 96), (72, 80), (40, 64), (8, 64), (136, 192), (200, 256)])
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
 def test_head_dims_between_built_ones_run_zero_padded(kernels_built, h, width, masked):
   """A head dim without a compiled kernel runs on the next wider one, forward and backward, with q, k, v

@@ -13,7 +13,7 @@ import pytest
 
 from tests import helpers
 
-HEAD_DIMS = (64, 96, 128, 192, 256)
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 # Feature sets, as oracle.Problem / PackedProblem fields.

@@ -45,7 +45,7 @@ BACKWARD_DBIAS_TARGET = "jax_padsafe_bwd_dbias"
 
 # What the default build (jax_padsafe/kernels/build) provides, forward and backward; used when no
 # library is loaded.
-DEFAULT_HEAD_DIMS = (64, 96, 128, 192, 256)
+DEFAULT_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 DTYPE_CODES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1}
 ARCH_NAMES = {80: "sm_80", 90: "sm_90a", 100: "sm_100a", 120: "sm_120"}
 _KINDS = {"forward": ("fwd", FORWARD_TARGET), "backward": ("bwd", BACKWARD_TARGET)}

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 ARCHS = ("sm_80", "sm_90a")
 DTYPES = ("bf16", "fp16")
-HEAD_DIMS = (64, 96, 128, 192, 256)
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 SOFTCAP = (False, True)
 AUX = (False, True)  # without / with the aux variants (both kinds)
 AUX_KINDS = ("mask", "bias")
@@ -96,6 +96,7 @@ class Sm90Tuning:
 TUNING = {
     "sm80": {
         64: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128), dbias=(64, 64, 128)),
+        80: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
         96: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
         128: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
         192: Sm80Tuning(fwd=(64, 64, 128), dkdv=(32, 64, 128), dq=(64, 32, 128), split_dkdv=True,
@@ -106,6 +107,7 @@ TUNING = {
     "sm90": {
         64: Sm90Tuning(fwd=(128, 128, 2), dkdv=(64, 128, 2), dq=(128, 64, 2), fwd_prefetch_next_tile=True,
                        dq_queue_dense=True),
+        80: Sm90Tuning(fwd=(128, 128, 2), dkdv=(64, 128, 2), dq=(128, 64, 2), fwd_prefetch_next_tile=True),
         96: Sm90Tuning(fwd=(128, 128, 2), dkdv=(64, 128, 2), dq=(128, 64, 2), fwd_prefetch_next_tile=True),
         128: Sm90Tuning(fwd=(128, 128, 2), dkdv=(64, 128, 2), dq=(128, 64, 2), fwd_pin_pv_wait=True,
                         fwd_rescale_o_early=True, bwd_pin_waits=True, dkdv_queue_dense=True, dq_queue_dense=True),

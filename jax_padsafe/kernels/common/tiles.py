@@ -5,10 +5,18 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
 
+def row_block(head_dim: int) -> int:
+    """The column block of the SM80-class layouts and copies: 64, 32 or 16 columns (128, 64 or 32 bytes of
+    16-bit elements), the widest that divides head_dim."""
+    return next(c for c in (64, 32, 16) if head_dim % c == 0)
+
+
 def smem_layout(dtype, rows: int, head_dim: int):
-    """Swizzled row-major (rows, head_dim) layout; head_dim is a multiple of 32."""
-    k_block = 64 if head_dim % 64 == 0 else 32
-    bits = 3 if k_block == 64 else 2
+    """Swizzled row-major (rows, head_dim) layout in atoms of 8 rows x `row_block(head_dim)` columns, swizzled
+    over the atom's 16-byte chunks (so that ldmatrix reads 8 rows of one column block from distinct banks where
+    the block has 4 or 8 chunks; a 16-column block, 2 chunks, halves the bank conflicts of no swizzle)."""
+    k_block = row_block(head_dim)
+    bits = {64: 3, 32: 2, 16: 1}[k_block]
     atom = cute.make_composed_layout(
         cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, k_block), stride=(k_block, 1))
     )
@@ -16,8 +24,9 @@ def smem_layout(dtype, rows: int, head_dim: int):
 
 
 def gmem_tiled_copy(dtype, head_dim: int, num_threads: int, async_copy: bool):
-    """16-byte vector copies, a row of head_dim split over consecutive threads."""
-    k_block = 64 if head_dim % 64 == 0 else 32
+    """16-byte vector copies, a row of head_dim split over consecutive threads (a block of 64, 32 or 16 columns,
+    the widest that divides head_dim)."""
+    k_block = row_block(head_dim)
     elems = 128 // dtype.width
     op = (
         cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)

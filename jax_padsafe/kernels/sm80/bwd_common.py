@@ -49,7 +49,7 @@ class BwdBase:
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool, *,
                  aux=False):
-        assert head_dim % 32 == 0
+        assert head_dim % 16 == 0
         aux = aux_kind(aux)
         assert not (aux and has_softcap)  # aux variants are built without softcap
         assert bool(aux) == (type(self).aux_class is type(self))  # the __call__ matches the kernel body

@@ -47,7 +47,7 @@ class BwdDBias:
     """dbias for one (block_m x block_n) tile of one (bx, hx) slice of the live dbias tensor."""
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, stages: int = 2):
-        assert head_dim % 32 == 0 and stages in (1, 2)
+        assert head_dim % 16 == 0 and stages in (1, 2)
         assert block_m == num_threads // 32 * 16  # one mma row block (16 rows) per warp
         assert block_m % aux_scores.MAP_ROWS == 0 and block_n % aux_scores.MAP_COLS == 0
         self.dtype = dtype

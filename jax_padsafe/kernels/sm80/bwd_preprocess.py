@@ -78,7 +78,7 @@ class BwdPreprocess:
                 if m0 + tOcO[0, m, 0][0] < q_len:
                     cute.copy(copy_in, tOgO[None, m, None], rO[None, m, None])
                     cute.copy(copy_in, tOgdO[None, m, None], rdO[None, m, None])
-            tpr = (64 if HD % 64 == 0 else 32) // (128 // self.dtype.width)
+            tpr = tiles.row_block(HD) // (128 // self.dtype.width)
             for m in cutlass.range_constexpr(cute.size(rO.shape[1])):
                 acc = cutlass.Float32(0.0)
                 for a in cutlass.range_constexpr(cute.size(rO.shape[0])):

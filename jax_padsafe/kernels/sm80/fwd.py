@@ -51,7 +51,7 @@ class FlashFwdSm80:
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_threads: int, has_softcap: bool,
                  stages: int, *, aux=False):
-        assert head_dim % 32 == 0
+        assert head_dim % 16 == 0
         aux = aux_kind(aux)  # False, "mask" or "bias"; every kind-specific choice below is a const_expr on it
         assert not (aux and has_softcap)  # aux variants are built without softcap
         assert bool(aux) == isinstance(self, FlashFwdSm80Aux)  # the __call__ matches the kernel body

@@ -84,7 +84,7 @@ class Sm90BwdBase:
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool,
                  aux=False):
-        assert head_dim % 32 == 0  # hd96: 32-column (64-byte) swizzle atoms, chosen by common.smem_layout
+        assert head_dim % 16 == 0  # hd96: 32-column (64-byte) swizzle atoms, chosen by common.smem_layout
         # The aux variants (masks and biases as tensors, bwd_aux) are built without softcap only.  `aux` is the
         # kind: False (plain), "mask" or "bias" (True: "bias", the single aux variant's behaviour).
         self.aux = aux_kind(aux)

@@ -77,7 +77,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool, *,
                  prefetch_next_tile: bool, pin_pv_wait: bool, rescale_o_early: bool, aux=False):
-        assert head_dim % 32 == 0 and block_m == 128
+        assert head_dim % 16 == 0 and block_m == 128
         # aux: masks and biases as tensors (fwd_aux), False or the kind, "mask" or "bias" (True: "bias", the
         # single aux variant's old spelling); built without softcap only.  Every kind-specific branch below is
         # a compile-time one, so aux=False compiles to the plain kernel.
