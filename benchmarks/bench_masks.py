@@ -8,7 +8,8 @@ Cases:
 * ``mask``: a causal + key-padding boolean mask ``[B, 1, T, S]`` (the way Flax builds them: make_causal_mask &
   make_attention_mask of the padding; each sequence's length drawn in [S/2, S]).  jax_padsafe also runs the same
   problem as ``is_causal`` + ``key_value_seq_lengths`` (``lengths``): the mask path should cost about that.
-* ``bias``: a dense additive bias ``[1, N, T, S]`` bf16; forward+backward differentiates it (dbias).
+* ``bias``: a dense additive bias ``[1, N, T, S]`` bf16; forward+backward differentiates it (dbias).  jax_padsafe
+  also runs forward+backward with the bias not differentiated (``nodbias``): the difference is dbias's cost.
 
 Times: forward, and forward+backward (``jax.vjp`` under one jit; the gradients of q, k, v and, for ``bias``, of
 the bias).  Ratios are cuDNN time / ours (> 1: ours faster).  Timing: ``bench_forward.bench``.
@@ -37,14 +38,14 @@ def _inputs(B, S, N, D, seed=0):
     return q, k, v, do, lengths, mask, bias
 
 
-def ours(case, grad):
+def ours(case, grad, diff_bias=True):
     def attn(q, k, v, extra, lengths):
         if case == "mask":
             return jax_padsafe.dot_product_attention(q, k, v, mask=extra)
         if case == "lengths":
             return jax_padsafe.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths)
         return jax_padsafe.dot_product_attention(q, k, v, extra)
-    return _timed(attn, grad, diff_extra=case == "bias")
+    return _timed(attn, grad, diff_extra=case == "bias" and diff_bias)
 
 
 def cudnn(case, grad):
@@ -85,11 +86,13 @@ def main():
                 extra = mask if case == "mask" else bias
                 row = dict(case=case, head_dim=D, heads=N, seqlen=S, batch=B)
                 for name, make in (("ours", lambda g: ours(case, g)), ("cudnn", lambda g: cudnn(case, g)),
-                                   ("lengths", lambda g: ours("lengths", g))):
-                    if name == "lengths" and case != "mask":
+                                   ("lengths", lambda g: ours("lengths", g)),
+                                   ("nodbias", lambda g: ours(case, g, diff_bias=False))):
+                    if (name == "lengths" and case != "mask") or (name == "nodbias" and case != "bias"):
                         continue
                     try:
-                        row[name + "_fwd_ms"] = round(bench(make(False), q, k, v, do, extra, lengths) * 1e3, 3)
+                        if name != "nodbias":  # its forward is ours
+                            row[name + "_fwd_ms"] = round(bench(make(False), q, k, v, do, extra, lengths) * 1e3, 3)
                         row[name + "_fwdbwd_ms"] = round(bench(make(True), q, k, v, do, extra, lengths) * 1e3, 3)
                     except Exception as e:  # noqa: BLE001 - record and continue
                         row[name + "_error"] = repr(e)[:300]
@@ -102,12 +105,12 @@ def main():
                 print(row, flush=True)
     print(f"\nms on {dev} (bf16, B=4; ratio = cuDNN time / ours; vs lengths = mask time / is_causal+lengths time)")
     print(f"{'case':>5} {'hd':>4} {'S':>6} | {'ours fwd':>9} {'cudnn':>7} {'ratio':>5} | {'ours f+b':>9} {'cudnn':>7} "
-          f"{'ratio':>5} | vs lengths fwd, f+b")
+          f"{'ratio':>5} | vs lengths fwd, f+b | f+b without dbias")
     for r in rows:
         g = lambda key: r.get(key, float("nan"))  # noqa: E731
         print(f"{r['case']:>5} {r['head_dim']:>4} {r['seqlen']:>6} | {g('ours_fwd_ms'):9.3f} {g('cudnn_fwd_ms'):7.3f} "
               f"{g('fwd_ratio'):5.2f} | {g('ours_fwdbwd_ms'):9.3f} {g('cudnn_fwdbwd_ms'):7.3f} {g('fwdbwd_ratio'):5.2f} | "
-              f"{g('fwd_vs_lengths'):.2f}, {g('fwdbwd_vs_lengths'):.2f}")
+              f"{g('fwd_vs_lengths'):.2f}, {g('fwdbwd_vs_lengths'):.2f} | {g('nodbias_fwdbwd_ms'):.3f}")
     with open(a.out, "w") as fh:
         json.dump(dict(device=dev, jax=jax.__version__, rows=rows), fh, indent=1)
 

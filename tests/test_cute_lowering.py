@@ -40,7 +40,7 @@ def _lower(f, *args):
 
 
 @pytest.mark.parametrize("dtype,tname", [(jnp.bfloat16, "bf16"), (jnp.float16, "f16")])
-@pytest.mark.parametrize("h", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("h", [64, 80, 96, 128, 192, 256])
 def test_custom_call_operands(dtype, tname, h):
     text = _lower(_fwd(), *_args(h=h, dtype=dtype))
     calls = re.findall(r"stablehlo\.custom_call @(\w+)\((.*?)\) \{(.*?)\} : \((.*?)\) -> \((.*?)\)", text)

@@ -55,7 +55,7 @@ def draw_problem(seed, impl, max_len=None):
   s = t if rng.random() < 0.4 else int(rng.integers(1, top))
   kh = int(rng.choice([1, 2, 4]))
   n = kh * int(rng.choice([1, 2, 3]))
-  h = int(rng.choice([64, 96, 128, 192, 256] if gpu else [16, 32, 64, 80]))
+  h = int(rng.choice([64, 80, 96, 128, 192, 256] if gpu else [16, 32, 64, 80]))
   p = helpers.random_problem(rng, b=b, t=t, s=s, n=n, k=kh, h=h, q_len=_lengths(rng, b, t),
                              kv_len=_lengths(rng, b, s))
   p.causal = bool(rng.random() < 0.5)

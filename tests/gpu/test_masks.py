@@ -67,8 +67,8 @@ def test_masks(h, mask_kind):
 
 @pytest.mark.parametrize("bias_kind", ["f32_heads", "full", "shared", "per_key"])
 @pytest.mark.parametrize("with_mask", [False, True], ids=["bias", "bias_and_mask"])
-@pytest.mark.parametrize("dtype,h", [("bf16", 64), ("bf16", 128), ("fp16", 256)], ids=["bf16-hd64", "bf16-hd128",
-                                                                                        "fp16-hd256"])
+@pytest.mark.parametrize("dtype,h", [("bf16", 64), ("bf16", 80), ("bf16", 128), ("fp16", 256)],
+                         ids=["bf16-hd64", "bf16-hd80", "bf16-hd128", "fp16-hd256"])
 def test_biases(dtype, h, with_mask, bias_kind):
   """Biases of float32 and of the input dtype, with dbias (summed over the broadcast dimensions: on the bias
   gradient kernel, and for the per-key bias on the pure-JAX path)."""

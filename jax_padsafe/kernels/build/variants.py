@@ -96,7 +96,7 @@ class Sm90Tuning:
 TUNING = {
     "sm80": {
         64: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128), dbias=(64, 64, 128)),
-        80: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
+        80: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128), dbias=(64, 64, 128)),
         96: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
         128: Sm80Tuning(fwd=(128, 64, 128), dkdv=(64, 64, 128), dq=(64, 64, 128)),
         192: Sm80Tuning(fwd=(64, 64, 128), dkdv=(32, 64, 128), dq=(64, 32, 128), split_dkdv=True,

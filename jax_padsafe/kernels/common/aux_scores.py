@@ -71,7 +71,14 @@ def view(mMask: cute.Tensor, mBias: cute.Tensor, mBias32: cute.Tensor, mTileMap:
 
     def bh(t):
         b = cutlass.min(batch, cute.size(t.shape[0]) - 1)
-        h = head // (num_heads // cute.size(t.shape[1]))
+        # Per query head, shared, or per key/value head: the first two without an integer division (a kernel
+        # that builds a view per (sequence, head) pair, the dbias kernels, pays that per pair and tensor).
+        heads = cute.size(t.shape[1])
+        h = cutlass.Int32(0)
+        if heads == num_heads:
+            h = head
+        elif heads != 1:
+            h = head // (num_heads // heads)
         return t[b, h, None, None]
 
     width = cute.size(mBias32.shape[3])
@@ -259,6 +266,31 @@ def _add_alibi(s_mn: cute.Tensor, c_mn: cute.Tensor, slope: cutlass.Float32, off
 
 
 @cute.jit
+def load_bias(out_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32):
+    """out_mn[r, c] = the bias (float32) at this thread's fragment cell (query q0 + row, key k0 + col), clamped
+    into the tensor (rows to Tx - 1, columns to its S - 1), so no load leaves the allocation whatever the tile;
+    0 without a bias tensor.  For a kernel whose tile meets one bias slice for many (sequence, head) pairs (the
+    bias gradient kernels): loaded once, then `scores(..., bias_mn=out_mn)` adds it per pair inside that pair's
+    valid rectangle, so the clamped cells of the padding are never used."""
+    out_mn.fill(0.0)
+    if (v.flags & FLAG_BIAS32) != 0:
+        _load_clamped(out_mn, c_mn, v.bias32, q0, k0)
+    if (v.flags & FLAG_BIAS) != 0:
+        _load_clamped(out_mn, c_mn, v.bias, q0, k0)
+
+
+@cute.jit
+def _load_clamped(out_mn: cute.Tensor, c_mn: cute.Tensor, t: cute.Tensor, q0, k0):
+    t_last = cute.size(t.shape[0]) - 1
+    k_last = cute.size(t.shape[1]) - 1
+    for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
+            i = cutlass.min(q0 + c_mn[r, c][0], t_last)
+            j = cutlass.min(k0 + c_mn[r, c][1], k_last)
+            out_mn[r, c] = t[i, j].to(cutlass.Float32)
+
+
+@cute.jit
 def _apply_mask(s_mn: cute.Tensor, c_mn: cute.Tensor, mask: cute.Tensor, q0, k0, q_last, k_last, q_len, k_len,
                 query_mode: cutlass.Constexpr):
     """s = -inf where the mask hides a pair of the valid rectangle (loads as in _add_bias, pairs included)."""
@@ -295,14 +327,16 @@ def _apply_mask(s_mn: cute.Tensor, c_mn: cute.Tensor, mask: cute.Tensor, q0, k0,
 @cute.jit
 def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32,
            q_len: cutlass.Int32, k_len: cutlass.Int32, scale: cutlass.Float32, cls: cutlass.Int32,
-           query_mode: cutlass.Constexpr):
+           query_mode: cutlass.Constexpr, bias_mn=None):
     """In place: raw scores q.k -> natural-unit scores q.k * scale + bias (+ the ALiBi term), -inf where the mask
     hides the pair.
 
     `c_mn` holds the tile-local coordinates matching `s_mn`; `query_mode` 0: queries are rows (query q0 + row,
     key k0 + col), 1: queries are columns.  Only cells inside the valid rectangle are read; pairs outside it
     keep q.k * scale, and the caller's visibility mask (after this) hides them.  `cls` is the tile's
-    tile_class: HIDDEN sets every pair to -inf without a load, VISIBLE skips the mask."""
+    tile_class: HIDDEN sets every pair to -inf without a load, VISIBLE skips the mask.  `bias_mn` (queries as
+    rows): the tile's bias already in registers (load_bias), added inside the valid rectangle as the loads
+    would add it, bitwise."""
     # The tile-uniform cases as whole-fragment operations: a VISIBLE tile without a bias (most tiles of a
     # causal or padding mask) costs one multiplication per score, a HIDDEN one a fill.  The key bound
     # includes the tensor's width: the FFI handler checks shapes against the call, not the lengths in device
@@ -312,7 +346,26 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
         s_mn.fill(-cutlass.Float32.inf)
     else:
         s_mn.store(s_mn.load() * scale)
-        if q_len > 0 and k_lim > 0:
+        if cutlass.const_expr(bias_mn is not None):
+            rows = cute.size(s_mn, mode=[0])
+            cols = cute.size(s_mn, mode=[1])
+            # This thread's last row and column.
+            i_hi = q0 + c_mn[0, 0][0]
+            j_hi = k0 + c_mn[0, 0][1]
+            for r in cutlass.range_constexpr(rows):
+                i_hi = cutlass.max(i_hi, q0 + c_mn[r, 0][0])
+            for c in cutlass.range_constexpr(cols):
+                j_hi = cutlass.max(j_hi, k0 + c_mn[0, c][1])
+            if (v.flags & (FLAG_BIAS | FLAG_BIAS32)) != 0 and i_hi < q_len and j_hi < k_lim:
+                s_mn.store(s_mn.load() + bias_mn.load())  # this thread's cells all lie inside the rectangle
+            elif (v.flags & (FLAG_BIAS | FLAG_BIAS32)) != 0:
+                for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                        s = s_mn[r, c]
+                        if q0 + c_mn[r, c][0] < q_len and k0 + c_mn[r, c][1] < k_lim:
+                            s = s + bias_mn[r, c]
+                        s_mn[r, c] = s
+        elif q_len > 0 and k_lim > 0:
             if (v.flags & FLAG_BIAS32) != 0:
                 _add_bias(s_mn, c_mn, v.bias32, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
             if (v.flags & FLAG_BIAS) != 0:

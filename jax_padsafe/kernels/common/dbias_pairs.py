@@ -75,8 +75,12 @@ def make(mCuQ: cute.Tensor, mCuK: cute.Tensor, mUsedQ: cute.Tensor, mUsedK: cute
 @cute.jit
 def pair_bounds(p: cutlass.Int32, args: Pairs):
     """(b, h, q_start, q_len, k_start, k_len, off, left, right) of pair p."""
-    b = args.b_first + p // args.group
-    h = args.h_first + p % args.group
+    # A bias per query head (group 1, the common [1, N, T, S]) walks the sequences without a division.
+    b = args.b_first + p
+    h = args.h_first
+    if args.group != 1:
+        b = args.b_first + p // args.group
+        h = args.h_first + p % args.group
     q_start, q_len = bounds.used_length(args.cu_q, args.used_q, b)
     k_start, k_len = bounds.used_length(args.cu_k, args.used_k, b)
     off, left, right = bounds.window_bounds(q_len, k_len, args.window_left, args.window_right, args.bottom_right)
@@ -117,16 +121,39 @@ def next_active(p: cutlass.Int32, args: Pairs, block_m: cutlass.Constexpr, block
 def store(r_mn: cute.Tensor, c_mn: cute.Tensor, mdB: cute.Tensor, bx: cutlass.Int32, hx: cutlass.Int32,
           m0: cutlass.Int32, n0: cutlass.Int32):
     """mdB[bx, hx, i, j] = r_mn[r, c] (this thread's cells as (rows, cols), already in mdB's type; c_mn their
-    tile coordinates) for every cell of the tile inside [0, Tx) x [0, S) of mdB.  Element stores: S may be odd
-    and the tensor only element-aligned.  Every cell of the tile inside the tensor is written (zeros where no
-    pair contributes), so the output needs no memset."""
+    tile coordinates) for every cell of the tile inside [0, Tx) x [0, S) of mdB.  Every cell of the tile inside
+    the tensor is written (zeros where no pair contributes), so the output needs no memset.  Two adjacent keys
+    per store where the fragment's columns come as pairs starting at an even key and S is even (the pair is
+    then aligned, and inside the tensor when its first key is); one element per store otherwise (S may be odd
+    and the tensor only element-aligned)."""
     rows = cute.size(mdB.shape[2])
     cols = cute.size(mdB.shape[3])
     if bx < cute.size(mdB.shape[0]) and hx < cute.size(mdB.shape[1]):
         gB = mdB[bx, hx, None, None]
-        for r in cutlass.range_constexpr(cute.size(r_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(r_mn, mode=[1])):
-                i = m0 + c_mn[r, c][0]
-                j = n0 + c_mn[r, c][1]
-                if i < rows and j < cols:
-                    gB[i, j] = r_mn[r, c]
+        paired = cutlass.Boolean(False)
+        if cutlass.const_expr(cute.size(r_mn, mode=[1]) % 2 == 0):
+            paired = cols % 2 == 0
+            for c in cutlass.range_constexpr(cute.size(r_mn, mode=[1]) // 2):
+                j = n0 + c_mn[0, 2 * c][1]
+                paired = paired and j % 2 == 0 and n0 + c_mn[0, 2 * c + 1][1] == j + 1
+        if paired:
+            width = mdB.element_type.width // 8
+            two = cute.make_rmem_tensor((2,), mdB.element_type)
+            for r in cutlass.range_constexpr(cute.size(r_mn, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(r_mn, mode=[1]) // 2):
+                    i = m0 + c_mn[r, 2 * c][0]
+                    j = n0 + c_mn[r, 2 * c][1]
+                    if i < rows and j < cols:
+                        addr = (gB.iterator + cute.crd2idx((i, j), gB.layout)).toint()
+                        dst = cute.make_tensor(cute.make_ptr(mdB.element_type, addr, cute.AddressSpace.gmem,
+                                                             assumed_align=2 * width), cute.make_layout(2))
+                        two[0] = r_mn[r, 2 * c]
+                        two[1] = r_mn[r, 2 * c + 1]
+                        dst.store(two.load())
+        else:
+            for r in cutlass.range_constexpr(cute.size(r_mn, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(r_mn, mode=[1])):
+                    i = m0 + c_mn[r, c][0]
+                    j = n0 + c_mn[r, c][1]
+                    if i < rows and j < cols:
+                        gB[i, j] = r_mn[r, c]

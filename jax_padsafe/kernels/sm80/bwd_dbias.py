@@ -50,6 +50,10 @@ class BwdDBias:
         assert head_dim % 16 == 0 and stages in (1, 2)
         assert block_m == num_threads // 32 * 16  # one mma row block (16 rows) per warp
         assert block_m % aux_scores.MAP_ROWS == 0 and block_n % aux_scores.MAP_COLS == 0
+        # The operand loads' copy tile (tiles.gmem_tiled_copy: 16-byte vectors over row_block(head_dim) columns)
+        # must fit both tiles' rows: 256 threads over 16-column blocks (head dim 80) cover 128 rows.
+        copy_rows = num_threads // (tiles.row_block(head_dim) * dtype.width // 128)
+        assert block_m % copy_rows == 0 and block_n % copy_rows == 0, (block_m, block_n, copy_rows)
         self.dtype = dtype
         self.head_dim = head_dim
         self.block_m = block_m

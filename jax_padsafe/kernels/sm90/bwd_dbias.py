@@ -12,7 +12,9 @@ pair run:
 * Warpgroups 1 and 2 consume, each owning 64 of the tile's rows: S = Q K^T and dP = dO V^T as two wgmma
   groups (both operands in shared memory); while dP runs, S becomes natural-unit scores with the mask, the
   bias and ALiBi (aux_scores.scores) and P comes from the forward's row max and ln l (bwd_scores.probs_exact);
-  then dS = P (dP - Delta) by select, added to the fp32 dbias accumulator in registers.
+  then dS = P (dP - Delta) by select, added to the fp32 dbias accumulator in registers.  The bias tile, the same
+  for every pair of the CTA, is read into registers once; the next active pair is found, and its row statistics
+  loaded, under the current pair's GEMMs (a pair's work is short: its latencies, not its FLOPs, set the pace).
 
 Pad-safety under TMA (TMA zero-fills only outside the whole tensor; rows past a sequence's valid length inside
 it hold anything): Q / dO rows past q_len reach only S / dP rows whose P and dS are 0 by select (the row
@@ -257,24 +259,37 @@ class BwdDBiasSm90:
         s_mn = masking.acc_mn_view_sm90(acc_S)
         dp_mn = masking.acc_mn_view_sm90(acc_dP)
 
+        # The bias tile is the same for every pair of the CTA (they all map to its slice): read once.
+        bias_mn = masking.acc_mn_view_sm90(cute.make_rmem_tensor(s_shape, cutlass.Float32))
+        aux_scores.load_bias(bias_mn, cS_mn, dbias_pairs.pair_view(args.b_first, args.h_first, args), m0, n0)
+        # The next pair's row statistics are loaded while the current pair is computed.
+        next_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        next_sum2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        next_delta = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         p = dbias_pairs.next_active(cutlass.Int32(0), args, BM, BN)
+        if p < args.n_pairs:
+            self.load_stats(p, args, mRowMax, mLogSum, mDelta, m0, cS_mn, next_max, next_sum2, next_delta)
         while p < args.n_pairs:
             b, h, q_start, q_len, _, k_len, off, left, right = dbias_pairs.pair_bounds(p, args)
             view = dbias_pairs.pair_view(b, h, args)
-            # The forward's m and ln l (log_sum2 holds ln l * log2 e) and Delta, for valid rows only; issued
-            # before the wait so that their latency runs under the loads.
-            bwd_scores.load_row_stats_exact(mRowMax, mLogSum, mDelta, h, q_start, q_len, m0, cS_mn, row_max,
-                                            log_sum2, delta, 0)
+            row_max.store(next_max.load())
+            log_sum2.store(next_sum2.load())
+            delta.store(next_delta.load())
             pipe.consumer_wait(state)
             stage = state.index
             sc.gemm(mma_s0, mma_s, acc_S, tSrQ[None, None, None, stage], tSrK[None, None, None, stage], True)
             sc.gemm(mma_s0, mma_s, acc_dP, tSrdO[None, None, None, stage], tSrV[None, None, None, stage], True)
-            # The tile's mask class; its map loads run under the GEMMs (every lane of each warp: it votes).
+            # Under the GEMMs: the next active pair and the loads of its statistics, and this tile's mask class
+            # (its map loads; every lane of each warp: it votes).
+            q = dbias_pairs.next_active(p + 1, args, BM, BN)
+            if q < args.n_pairs:
+                self.load_stats(q, args, mRowMax, mLogSum, mDelta, m0, cS_mn, next_max, next_sum2, next_delta)
             cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
             warpgroup.wait_group(1)
             # Natural-unit scores, then P with the visibility rule; a HIDDEN tile inside the range gives P = 0.
-            aux_scores.scores(s_mn, cS_mn, view, m0, n0, q_len, k_len, score_mul, cls, 0)
+            aux_scores.scores(s_mn, cS_mn, view, m0, n0, q_len, k_len, score_mul, cls, 0, bias_mn)
             need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
             bwd_scores.probs_exact(s_mn, cS_mn, row_max, log_sum2, m0, n0, k_len, off, left, right, need, 0)
             warpgroup.wait_group(0)
@@ -284,7 +299,7 @@ class BwdDBiasSm90:
             # dS = P * (dP - Delta), 0 by select wherever P = 0 (no softcap in the aux kinds).
             bwd_scores.dscores(s_mn, dp_mn, dp_mn, delta, 0, False)
             acc_dB.store(acc_dB.load() + acc_dP.load())
-            p = dbias_pairs.next_active(p + 1, args, BM, BN)
+            p = q
 
         if (aux_flags & aux_scores.FLAG_BIAS) != 0:
             rB = cute.make_fragment_like(acc_dB, self.dtype)
@@ -292,3 +307,10 @@ class BwdDBiasSm90:
             dbias_pairs.store(masking.acc_mn_view_sm90(rB), cS_mn, mdBias, args.bx, args.hx, m0, n0)
         elif (aux_flags & aux_scores.FLAG_BIAS32) != 0:
             dbias_pairs.store(masking.acc_mn_view_sm90(acc_dB), cS_mn, mdBias32, args.bx, args.hx, m0, n0)
+
+    @cute.jit
+    def load_stats(self, p, args: dbias_pairs.Pairs, mRowMax, mLogSum, mDelta, m0, cS_mn, row_max, log_sum2, delta):
+        """Pair p's forward row max and ln l (log_sum2 holds ln l * log2 e) and Delta, for valid rows only."""
+        _, h, q_start, q_len, _, _, _, _, _ = dbias_pairs.pair_bounds(p, args)
+        bwd_scores.load_row_stats_exact(mRowMax, mLogSum, mDelta, h, q_start, q_len, m0, cS_mn, row_max, log_sum2,
+                                        delta, 0)
