@@ -14,12 +14,12 @@ namespace jps {
 
 enum AuxFlag : int32_t { kAuxMask = 1, kAuxBias = 2, kAuxBias32 = 4, kAuxAlibi = 8, kAuxAlibiBottomRight = 16 };
 
-// The variant kind a call takes (the registries' `aux` column): a mask alone runs the mask kind (the plain
-// kernels' scores and softmax plus the mask), anything with a bias or ALiBi the bias kind (natural-unit scores).
+// The variant kind a call takes (the registries' `aux` column): without a bias tensor (a mask and / or ALiBi)
+// the mask kind (the plain kernels' raw scores and softmax, plus the mask and the ALiBi term in raw units: the
+// caller divides the slopes by the softmax scale), with one the bias kind (natural-unit scores and slopes).
+// jax_padsafe/_backends/cute/backend.py (_kernel_slopes) follows the same rule.
 enum AuxKindCode : int { kAuxKindMask = 1, kAuxKindBias = 2 };
-inline int AuxKind(int32_t flags) {
-  return (flags & (kAuxBias | kAuxBias32 | kAuxAlibi)) ? kAuxKindBias : kAuxKindMask;
-}
+inline int AuxKind(int32_t flags) { return (flags & (kAuxBias | kAuxBias32)) ? kAuxKindBias : kAuxKindMask; }
 
 struct AuxOperands {
   const ffi::AnyBuffer *mask, *bias, *tile_map, *row_range, *col_range, *slopes;

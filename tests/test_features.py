@@ -248,6 +248,20 @@ def test_alibi_bias_mask_sinks_several_tiles(impl, dtype, causal):
   contract(p, dtype, impl)
 
 
+@pytest.mark.parametrize("with_mask", [False, True], ids=["alone", "mask"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_alibi_without_bias_several_tiles(impl, with_mask, causal):
+  """ALiBi without a bias tensor, alone and with a mask (the kernels' mask kind: the slopes, divided by the
+  scale, join the raw scores q.k), with sinks, over several query and key tiles; top-left offset with more
+  queries than keys, so that rows past the keys have their nearest key far away (a large row max)."""
+  rng = np.random.default_rng(126 + 2 * causal + with_mask)
+  p = random_problem(rng, b=2, t=300, s=200, n=4, k=2, q_len=[300, 150], kv_len=[200, 61], causal=causal,
+                     alibi=random_slopes(rng, (4,)), sinks=random_sinks(rng, 4))
+  if with_mask:
+    p.mask = rng.random((2, 1, 300, 200)) < 0.9
+  contract(p, jnp.bfloat16, impl)
+
+
 def test_alibi_segment_ids(impl):
   """With segment ids the distance is between row positions (the contract's i and j), as for causal."""
   rng = np.random.default_rng(123)

@@ -253,16 +253,22 @@ def _forward_compiled_width(spec, q, k, v, bias, mask, sinks, alibi, problem):
   return o, lse, None
 
 
-def _kernel_slopes(alibi):
-  """The ALiBi slopes per query row ``[1|B, N, 1]`` as the kernels take them, ``[1|B, N]``."""
-  return None if alibi is None else alibi[:, :, 0]
+def _kernel_slopes(spec, alibi, bias):
+  """The ALiBi slopes per query row ``[1|B, N, 1]`` as the kernels take them, ``[1|B, N]``: in the units of
+  the aux kind's scores (``ffi/aux.h``, ``AuxKind``). With a bias tensor the bias kind adds them to
+  natural-unit scores; without one the mask kind adds them to the raw scores q.k (the plain kernels' softmax
+  applies the scale after), so they are divided by the scale here."""
+  if alibi is None:
+    return None
+  slopes = alibi[:, :, 0]
+  return slopes if bias is not None else slopes / jnp.float32(spec.scale)
 
 
 def _aux_forward(spec, q, k, v, bias, mask, sinks, alibi, problem):
   """The forward with a mask, bias and / or ALiBi slopes on the aux kernels (padded layout with lengths), the
   sinks joined in their epilogue."""
   b, t, n, _ = q.shape
-  ops = aux_ops.operands(bias, mask, alibi_slopes=_kernel_slopes(alibi))
+  ops = aux_ops.operands(bias, mask, alibi_slopes=_kernel_slopes(spec, alibi, bias))
   static = tuple(sorted(dict(_problem_static_args(spec, problem), **ops.flags).items()))
   kernel_sinks = () if sinks is None else (sinks,)
 
@@ -361,7 +367,7 @@ def _aux_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, 
     return _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse) + (None,)
   stats, summary = stats[:2], stats[2:]
   row_stats = xla.row_stats_from_kernels(o, *stats, num_kv)
-  ops = aux_ops.operands(bias, mask, summary=summary, alibi_slopes=_kernel_slopes(alibi))
+  ops = aux_ops.operands(bias, mask, summary=summary, alibi_slopes=_kernel_slopes(spec, alibi, bias))
   static = tuple(sorted(dict(_problem_static_args(spec, problem), deterministic=spec.deterministic,
                              **ops.flags).items()))
 

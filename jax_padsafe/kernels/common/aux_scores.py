@@ -1,9 +1,10 @@
 """Masks and additive biases given as tensors (the kernels' "aux" inputs), and the mask's block summary.
 
-Two kinds of aux variants: "bias" (a bias, with or without a mask) forms natural-unit scores q.k * scale + bias
-(`scores`) with the exact softmax of softmax.py; "mask" (a mask alone) keeps the plain kernels' raw scores and
-exp2-domain softmax and only selects -inf where the mask hides a pair (`mask_scores`), so a tile the mask shows
-whole costs what it costs without a mask.  Both take the same arguments.
+Two kinds of aux variants: "bias" (a bias tensor, with or without a mask and ALiBi) forms natural-unit scores
+q.k * scale + bias (`scores`) with the exact softmax of softmax.py; "mask" (no bias tensor: a mask and / or ALiBi)
+keeps the plain kernels' raw scores and exp2-domain softmax, adds the ALiBi term in raw units and selects -inf
+where the mask hides a pair (`mask_scores`), so a tile the mask shows whole costs what it costs without a mask.
+Both take the same arguments.
 
 The aux variants of the kernels take the padded layout only: sequence b's query i is row i of the mask and
 bias, its key j column j.  Per call (the FFI handler's arguments, `_backends/cute/aux.py` builds them):
@@ -14,7 +15,8 @@ bias, its key j column j.  Per call (the FFI handler's arguments, `_backends/cut
   row_range Int32 (Bx, Hx, Mx, 2): per row block, [lo, hi) of the column blocks holding a visible cell
             ((Nx, 0) when none); col_range Int32 (Bx, Hx, Nx, 2): per column block, the row blocks ((Mx, 0)).
   slopes    Float32 (Bx, N, 1, 1): ALiBi slopes (FLAG_ALIBI): the score of (i, j) gains -slope * |i + off - j|,
-            computed from the indices (no T x S tensor), off = k_len - q_len with FLAG_ALIBI_BOTTOM_RIGHT, else 0.
+            computed from the indices (no T x S tensor), off = k_len - q_len with FLAG_ALIBI_BOTTOM_RIGHT, else 0;
+            in the units of the kind's scores: natural for "bias", divided by the softmax scale for "mask".
 A tensor that is absent is a (1, 1, 1, 1) placeholder with its flag clear.  Broadcasting: Bx in {1, B},
 Hx in {1, K, N} (per query head, per key/value head, or shared), Tx in {1, T}; the element of (b, head, i, j)
 is [min(b, Bx - 1), head // (N // Hx), min(i, Tx - 1), j].
@@ -107,20 +109,38 @@ def tile_class(v: AuxView, m_block: cutlass.Int32, n_block: cutlass.Int32, block
     Warp-collective (every lane of the calling warp must call it): lane x reads the x-th map entry of the
     tile (block_m / MAP_ROWS x block_n / MAP_COLS <= 32 entries for every kernel tile), two votes combine them.
     Rows and columns past the map's end are clamped to its last entry, which the tile already covers, so they
-    change nothing (and a broadcast Tx = 1 reads its one row)."""
+    change nothing (and a broadcast Tx = 1 reads its one row).  The two halves, `tile_class_entry` (the load)
+    and `tile_class_vote`, may run apart, so that the load's latency hides under other work."""
+    return tile_class_vote(v, tile_class_entry(v, m_block, n_block, block_m, block_n), block_m, block_n)
+
+
+@cute.jit
+def tile_class_entry(v: AuxView, m_block: cutlass.Int32, n_block: cutlass.Int32, block_m: cutlass.Constexpr,
+                     block_n: cutlass.Constexpr) -> cutlass.Int32:
+    """This lane's map entry for `tile_class` (MIXED where the lane reads none); no load without a mask."""
     rows = block_m // MAP_ROWS
     cols = block_n // MAP_COLS
     assert rows * cols <= 32 and rows * MAP_ROWS == block_m and cols * MAP_COLS == block_n
-    cls = cutlass.Int32(VISIBLE)
+    e = cutlass.Int32(MIXED)
     if has_mask(v):
         lane = cute.arch.lane_idx()
-        e = cutlass.Int32(MIXED)
         if lane < rows * cols:
             r = cutlass.min(m_block * rows + lane // cols, cute.size(v.tile_map.shape[0]) - 1)
             c = cutlass.min(n_block * cols + lane % cols, cute.size(v.tile_map.shape[1]) - 1)
             e = cutlass.Int32(v.tile_map[r, c])
-        all_visible = cute.arch.vote_all_sync(e == VISIBLE or lane >= rows * cols)
-        all_hidden = cute.arch.vote_all_sync(e == HIDDEN or lane >= rows * cols)
+    return e
+
+
+@cute.jit
+def tile_class_vote(v: AuxView, e: cutlass.Int32, block_m: cutlass.Constexpr,
+                    block_n: cutlass.Constexpr) -> cutlass.Int32:
+    """`tile_class` from each lane's `tile_class_entry` (warp-collective)."""
+    n = (block_m // MAP_ROWS) * (block_n // MAP_COLS)
+    cls = cutlass.Int32(VISIBLE)
+    if has_mask(v):
+        lane = cute.arch.lane_idx()
+        all_visible = cute.arch.vote_all_sync(e == VISIBLE or lane >= n)
+        all_hidden = cute.arch.vote_all_sync(e == HIDDEN or lane >= n)
         cls = cutlass.Int32(MIXED)
         if all_visible:
             cls = cutlass.Int32(VISIBLE)
@@ -238,31 +258,46 @@ def _add_bias(s_mn: cute.Tensor, c_mn: cute.Tensor, bias: cute.Tensor, q0, k0, q
 
 
 @cute.jit
+def alibi_offset(v: AuxView, q_len: cutlass.Int32, k_len: cutlass.Int32) -> cutlass.Int32:
+    """The ALiBi distance's query offset: k_len - q_len with FLAG_ALIBI_BOTTOM_RIGHT (the causal mask's
+    alignment), else 0."""
+    off = cutlass.Int32(0)
+    if (v.flags & FLAG_ALIBI_BOTTOM_RIGHT) != 0:
+        off = k_len - q_len
+    return off
+
+
+@cute.jit
 def _add_alibi(s_mn: cute.Tensor, c_mn: cute.Tensor, slope: cutlass.Float32, off: cutlass.Int32, q0, k0,
                query_mode: cutlass.Constexpr):
-    """s -= slope * |i + off - j| (ALiBi), from the indices: nothing is loaded.  A fragment's row index depends
-    on its row only and its column index on its column only, so `i + off` and `j` are formed once per row and
-    per column as floats (exact below 2**24) and each score costs a subtraction and an FFMA with |.|: one
-    rounding in the product, one in the sum.  Pairs outside the valid rectangle get the term too; the caller's
-    visibility mask hides them (the term is finite)."""
+    """s -= slope * |i + off - j| (ALiBi), from the indices: nothing is loaded.
+
+    A fragment's row index depends on its row only and its column index on its column only, and its columns
+    sit at fixed offsets from its first one.  So `i + off - j` is one float per row (the distance to the
+    fragment's first column, converted once per row) plus or minus a compile-time constant per column
+    (`c_mn[0, c] - c_mn[0, 0]` folds): each score costs an FADD with an immediate and an FFMA with |.|, and no
+    conversion (an integer-to-float conversion per column and tile ran at the quarter rate of the exp2's unit
+    and cost more than the arithmetic).  Exact below 2**24.  Pairs outside the valid rectangle get the term
+    too; the caller's visibility mask hides them (the term is finite)."""
     rows = cute.size(s_mn, mode=[0])
     cols = cute.size(s_mn, mode=[1])
-    # Queries' positions i + off and keys' j, along the fragment's rows and columns (swapped in query_mode 1).
-    row_pos = []
-    col_pos = []
-    if cutlass.const_expr(query_mode == 0):
-        for r in cutlass.range_constexpr(rows):
-            row_pos.append(cutlass.Float32(q0 + c_mn[r, 0][0] + off))
-        for c in cutlass.range_constexpr(cols):
-            col_pos.append(cutlass.Float32(k0 + c_mn[0, c][1]))
-    else:
-        for r in cutlass.range_constexpr(rows):
-            row_pos.append(cutlass.Float32(k0 + c_mn[r, 0][0]))
-        for c in cutlass.range_constexpr(cols):
-            col_pos.append(cutlass.Float32(q0 + c_mn[0, c][1] + off))
+    # query_mode 0: rows are queries, i + off - j = base_r - d_c with base_r = (q0 + i_r + off) - (k0 + j_0),
+    # d_c = j_c - j_0.  query_mode 1: rows are keys, i + off - j = base_r + d_c with base_r = (q0 + i_0 + off) -
+    # (k0 + j_r), d_c = i_c - i_0.
+    first = c_mn[0, 0][1]
+    base = []
     for r in cutlass.range_constexpr(rows):
-        for c in cutlass.range_constexpr(cols):
-            s_mn[r, c] = s_mn[r, c] - slope * cute.math.absf(row_pos[r] - col_pos[c])
+        if cutlass.const_expr(query_mode == 0):
+            base.append(cutlass.Float32(q0 + c_mn[r, 0][0] + off - k0 - first))
+        else:
+            base.append(cutlass.Float32(q0 + first + off - k0 - c_mn[r, 0][0]))
+    for c in cutlass.range_constexpr(cols):
+        d = cutlass.Float32(c_mn[0, c][1] - first)
+        for r in cutlass.range_constexpr(rows):
+            x = base[r] - d
+            if cutlass.const_expr(query_mode == 1):
+                x = base[r] + d
+            s_mn[r, c] = s_mn[r, c] - slope * cute.math.absf(x)
 
 
 @cute.jit
@@ -334,63 +369,64 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
     `c_mn` holds the tile-local coordinates matching `s_mn`; `query_mode` 0: queries are rows (query q0 + row,
     key k0 + col), 1: queries are columns.  Only cells inside the valid rectangle are read; pairs outside it
     keep q.k * scale, and the caller's visibility mask (after this) hides them.  `cls` is the tile's
-    tile_class: HIDDEN sets every pair to -inf without a load, VISIBLE skips the mask.  `bias_mn` (queries as
+    tile_class: VISIBLE skips the mask loads, HIDDEN and MIXED take them.  `bias_mn` (queries as
     rows): the tile's bias already in registers (load_bias), added inside the valid rectangle as the loads
     would add it, bitwise."""
-    # The tile-uniform cases as whole-fragment operations: a VISIBLE tile without a bias (most tiles of a
-    # causal or padding mask) costs one multiplication per score, a HIDDEN one a fill.  The key bound
-    # includes the tensor's width: the FFI handler checks shapes against the call, not the lengths in device
-    # memory, so this keeps every load inside the allocation whatever they hold.
+    # A VISIBLE tile without a bias (most tiles of a causal or padding mask) costs one multiplication per
+    # score.  A HIDDEN tile (one inside a row's range of tiles) takes the mask loads of a MIXED one, which hide
+    # every pair of it: a fill of -inf in a branch of its own made ptxas materialize the -inf fragment and a
+    # copy of the scores on every tile (see mask_scores).  The key bound includes the tensor's width: the FFI
+    # handler checks shapes against the call, not the lengths in device memory, so this keeps every load
+    # inside the allocation whatever they hold.
     k_lim = cutlass.min(k_len, v.width)
-    if cls == HIDDEN:
-        s_mn.fill(-cutlass.Float32.inf)
-    else:
-        s_mn.store(s_mn.load() * scale)
-        if cutlass.const_expr(bias_mn is not None):
-            rows = cute.size(s_mn, mode=[0])
-            cols = cute.size(s_mn, mode=[1])
-            # This thread's last row and column.
-            i_hi = q0 + c_mn[0, 0][0]
-            j_hi = k0 + c_mn[0, 0][1]
-            for r in cutlass.range_constexpr(rows):
-                i_hi = cutlass.max(i_hi, q0 + c_mn[r, 0][0])
-            for c in cutlass.range_constexpr(cols):
-                j_hi = cutlass.max(j_hi, k0 + c_mn[0, c][1])
-            if (v.flags & (FLAG_BIAS | FLAG_BIAS32)) != 0 and i_hi < q_len and j_hi < k_lim:
-                s_mn.store(s_mn.load() + bias_mn.load())  # this thread's cells all lie inside the rectangle
-            elif (v.flags & (FLAG_BIAS | FLAG_BIAS32)) != 0:
-                for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                        s = s_mn[r, c]
-                        if q0 + c_mn[r, c][0] < q_len and k0 + c_mn[r, c][1] < k_lim:
-                            s = s + bias_mn[r, c]
-                        s_mn[r, c] = s
-        elif q_len > 0 and k_lim > 0:
-            if (v.flags & FLAG_BIAS32) != 0:
-                _add_bias(s_mn, c_mn, v.bias32, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
-            if (v.flags & FLAG_BIAS) != 0:
-                _add_bias(s_mn, c_mn, v.bias, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
-        if (v.flags & FLAG_ALIBI) != 0:
-            off = cutlass.Int32(0)
-            if (v.flags & FLAG_ALIBI_BOTTOM_RIGHT) != 0:
-                off = k_len - q_len
-            _add_alibi(s_mn, c_mn, v.slope, off, q0, k0, query_mode)
-        if q_len > 0 and k_lim > 0:
-            if cls == MIXED:
-                _apply_mask(s_mn, c_mn, v.mask, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
+    s_mn.store(s_mn.load() * scale)
+    if cutlass.const_expr(bias_mn is not None):
+        rows = cute.size(s_mn, mode=[0])
+        cols = cute.size(s_mn, mode=[1])
+        # This thread's last row and column.
+        i_hi = q0 + c_mn[0, 0][0]
+        j_hi = k0 + c_mn[0, 0][1]
+        for r in cutlass.range_constexpr(rows):
+            i_hi = cutlass.max(i_hi, q0 + c_mn[r, 0][0])
+        for c in cutlass.range_constexpr(cols):
+            j_hi = cutlass.max(j_hi, k0 + c_mn[0, c][1])
+        if (v.flags & (FLAG_BIAS | FLAG_BIAS32)) != 0 and i_hi < q_len and j_hi < k_lim:
+            s_mn.store(s_mn.load() + bias_mn.load())  # this thread's cells all lie inside the rectangle
+        elif (v.flags & (FLAG_BIAS | FLAG_BIAS32)) != 0:
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                    s = s_mn[r, c]
+                    if q0 + c_mn[r, c][0] < q_len and k0 + c_mn[r, c][1] < k_lim:
+                        s = s + bias_mn[r, c]
+                    s_mn[r, c] = s
+    elif q_len > 0 and k_lim > 0:
+        if (v.flags & FLAG_BIAS32) != 0:
+            _add_bias(s_mn, c_mn, v.bias32, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
+        if (v.flags & FLAG_BIAS) != 0:
+            _add_bias(s_mn, c_mn, v.bias, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
+    if (v.flags & FLAG_ALIBI) != 0:
+        _add_alibi(s_mn, c_mn, v.slope, alibi_offset(v, q_len, k_len), q0, k0, query_mode)
+    if q_len > 0 and k_lim > 0:
+        if cls != VISIBLE:
+            _apply_mask(s_mn, c_mn, v.mask, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
 
 
 @cute.jit
 def mask_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32,
                 q_len: cutlass.Int32, k_len: cutlass.Int32, cls: cutlass.Int32, query_mode: cutlass.Constexpr):
-    """The mask-only variants' `scores`: raw scores q.k stay raw (the plain kernels' exp2-domain softmax and
-    row statistics apply unchanged), -inf where the mask hides a pair of the valid rectangle; a VISIBLE tile
-    costs nothing, a HIDDEN one a fill."""
+    """The mask kind's `scores`: raw scores q.k stay raw (the plain kernels' exp2-domain softmax and row
+    statistics apply unchanged), -inf where the mask hides a pair of the valid rectangle; a VISIBLE tile
+    costs nothing.  A HIDDEN tile (inside a row's range of tiles) takes the mask loads of a MIXED one, which
+    hide all of it: filling it with -inf in a branch of its own made ptxas materialize the -inf fragment and
+    copy the scores on every tile, VISIBLE ones included (an H200 ran the forward 1.3-1.45x slower than the
+    plain kernel with an all-visible mask).  With ALiBi the raw scores gain -slope * |i + off - j| with the slope
+    in raw units (the view's slope is the call's slope divided by the softmax scale): a subtraction and an
+    FFMA per score."""
     k_lim = cutlass.min(k_len, v.width)
-    if cls == HIDDEN:
-        s_mn.fill(-cutlass.Float32.inf)
-    elif cls == MIXED:
-        if q_len > 0 and k_lim > 0:
+    if (v.flags & FLAG_ALIBI) != 0:
+        _add_alibi(s_mn, c_mn, v.slope, alibi_offset(v, q_len, k_len), q0, k0, query_mode)
+    if q_len > 0 and k_lim > 0:
+        if cls != VISIBLE:
             _apply_mask(s_mn, c_mn, v.mask, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
 
 

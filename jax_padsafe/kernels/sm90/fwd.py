@@ -478,7 +478,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
             s_mn = self.transform_and_mask(acc_S, cS_mn, score_mul, cap_mul, n_max - 1, m_block, q_len,
-                                           k_len, off, left, right, view, cls)
+                                           k_len, off, left, right, view, cls, opaque_zero)
             softmax.online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul, exact=self.aux_exact)
             rP.store(acc_S.load().to(self.dtype))
             for it in cutlass.range(n_tiles - 1, unroll=1):
@@ -499,7 +499,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
                 # Softmax of tile n_cur while P V of tile n_cur + 1 runs; acc_O (being written by
                 # that GEMM) and P are updated only after it completes.
                 s_mn2 = self.transform_and_mask(acc_S2, cS_mn, score_mul, cap_mul, n_cur, m_block, q_len,
-                                                k_len, off, left, right, view, cls2)
+                                                k_len, off, left, right, view, cls2, opaque_zero)
                 softmax.online_softmax_step_alpha(s_mn2, row_max, row_sum, alpha, mul, exact=self.aux_exact)
                 if cutlass.const_expr(self.pin_pv_wait):
                     sc.wgmma_wait_after(row_sum, opaque_zero, 0)
@@ -612,23 +612,29 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
 
     @cute.jit
     def aux_tile_class(self, view, m_block: cutlass.Int32, n_block: cutlass.Int32):
-        """The aux variants' class of key tile n_block (aux_scores.tile_class; None otherwise), taken right after
-        the tile's S GEMM is issued: its load of the mask's block map then runs under the GEMM instead of
-        after it."""
-        cls = None
+        """The aux variants' load of key tile n_block's block-map entries (fwd_aux.tile_class_entry; None
+        otherwise), issued right after the tile's S GEMM: the load then runs under the GEMMs, and
+        transform_and_mask votes on it after the wait for S."""
+        entry = None
         if cutlass.const_expr(self.aux):
-            cls = fwd_aux.tile_class(view, m_block, n_block, self.block_m, self.block_n)
-        return cls
+            entry = fwd_aux.tile_class_entry(view, m_block, n_block, self.block_m, self.block_n)
+        return entry
 
     @cute.jit
     def transform_and_mask(self, acc_S: cute.Tensor, cS_mn: cute.Tensor, score_mul: cutlass.Float32,
                            cap_mul: cutlass.Float32, n_block: cutlass.Int32, m_block: cutlass.Int32,
                            q_len: cutlass.Int32, k_len: cutlass.Int32, off: cutlass.Int32, left: cutlass.Int32,
-                           right: cutlass.Int32, view=None, cls=None):
+                           right: cutlass.Int32, view=None, cls=None, opaque_zero=None):
         """Scores of one tile as the softmax takes them (soft-capped or raw; aux "bias": natural units with bias
-        and mask; aux "mask": raw with the mask; `view` the tile's AuxView, `cls` its aux_tile_class), -inf where
-        a key is not visible."""
+        and mask; aux "mask": raw with the mask; `view` the tile's AuxView, `cls` its aux_tile_class entry, voted
+        on here), -inf where a key is not visible."""
         BM, BN = self.block_m, self.block_n
+        if cutlass.const_expr(self.aux):
+            # The vote reads the entry OR'ed with (a score's bits & opaque_zero), the entry itself at run time
+            # (opaque_zero is 0): ptxas otherwise hoists the vote above the wait for S, back between the GEMM
+            # issues, where it stalls on the entry's load.
+            pinned = cls | (cute.recast_tensor(acc_S, cutlass.Int32)[0] & opaque_zero)
+            cls = fwd_aux.tile_class_vote(view, pinned, BM, BN)
         if cutlass.const_expr(self.has_softcap):
             acc_S.store(cute.math.tanh(acc_S.load() * score_mul, fastmath=False) * cap_mul)
         s_mn = masking.acc_mn_view_sm90(acc_S)
