@@ -35,6 +35,8 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 
+from . import bias_stage
+
 LOG2_E = math.log2(math.e)
 
 FLAG_MASK = 1
@@ -258,6 +260,19 @@ def _add_bias(s_mn: cute.Tensor, c_mn: cute.Tensor, bias: cute.Tensor, q0, k0, q
 
 
 @cute.jit
+def stage_bias(stage: bias_stage.BiasStage, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32, n_block: cutlass.Int32,
+               q_len: cutlass.Int32, k_len: cutlass.Int32, wg_tidx: cutlass.Int32):
+    """The copies of key tile n_block's bias (keys from k0) for the warpgroup's rows (queries from q0, the
+    warpgroup's first) into the stage, where the bias is of the input dtype and `bias_stage.fits`; commits one
+    copy group either way.  `scores(..., staged=stage)` adds them a key tile later."""
+    k_lim = cutlass.min(k_len, v.width)
+    if (v.flags & FLAG_BIAS) != 0:
+        if bias_stage.fits(v.bias, q0, stage.rows, k0, stage.block_n, q_len, k_lim):
+            bias_stage.copy(stage, v.bias, q0, k0, n_block, wg_tidx)
+    cute.arch.cp_async_commit_group()
+
+
+@cute.jit
 def alibi_offset(v: AuxView, q_len: cutlass.Int32, k_len: cutlass.Int32) -> cutlass.Int32:
     """The ALiBi distance's query offset: k_len - q_len with FLAG_ALIBI_BOTTOM_RIGHT (the causal mask's
     alignment), else 0."""
@@ -362,7 +377,7 @@ def _apply_mask(s_mn: cute.Tensor, c_mn: cute.Tensor, mask: cute.Tensor, q0, k0,
 @cute.jit
 def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32,
            q_len: cutlass.Int32, k_len: cutlass.Int32, scale: cutlass.Float32, cls: cutlass.Int32,
-           query_mode: cutlass.Constexpr, bias_mn=None):
+           query_mode: cutlass.Constexpr, bias_mn=None, staged=None):
     """In place: raw scores q.k -> natural-unit scores q.k * scale + bias (+ the ALiBi term), -inf where the mask
     hides the pair.
 
@@ -371,7 +386,9 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
     keep q.k * scale, and the caller's visibility mask (after this) hides them.  `cls` is the tile's
     tile_class: VISIBLE skips the mask loads, HIDDEN and MIXED take them.  `bias_mn` (queries as
     rows): the tile's bias already in registers (load_bias), added inside the valid rectangle as the loads
-    would add it, bitwise."""
+    would add it, bitwise.  `staged` (queries as rows; a bias_stage.BiasStage): the calling warpgroup's staged
+    bias, which `stage_bias` filled for this tile where it fits; its cells are added as the loads would add
+    them, bitwise.  Every thread of the warpgroup must call it then (it waits at the warpgroup's barrier)."""
     # A VISIBLE tile without a bias (most tiles of a causal or padding mask) costs one multiplication per
     # score.  A HIDDEN tile (one inside a row's range of tiles) takes the mask loads of a MIXED one, which hide
     # every pair of it: a fill of -inf in a branch of its own made ptxas materialize the -inf fragment and a
@@ -380,7 +397,22 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
     # inside the allocation whatever they hold.
     k_lim = cutlass.min(k_len, v.width)
     s_mn.store(s_mn.load() * scale)
-    if cutlass.const_expr(bias_mn is not None):
+    if cutlass.const_expr(staged is not None):
+        # The warpgroup copied this tile's bias a key tile ahead (stage_bias) where it fits; each thread waits
+        # for its copies, the barrier for everyone's.  The other cases (a tile past the rectangle's edge, a
+        # float32 bias) are read here.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier(barrier_id=staged.barrier, number_of_threads=128)
+        if q_len > 0 and k_lim > 0:
+            if (v.flags & FLAG_BIAS32) != 0:
+                _add_bias(s_mn, c_mn, v.bias32, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
+            if (v.flags & FLAG_BIAS) != 0:
+                n_block = k0 // staged.block_n
+                if bias_stage.fits(v.bias, q0 + staged.row0, staged.rows, k0, staged.block_n, q_len, k_lim):
+                    bias_stage.add(s_mn, c_mn, staged, n_block)
+                else:
+                    _add_bias(s_mn, c_mn, v.bias, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
+    elif cutlass.const_expr(bias_mn is not None):
         rows = cute.size(s_mn, mode=[0])
         cols = cute.size(s_mn, mode=[1])
         # This thread's last row and column.

@@ -6,7 +6,7 @@ import cutlass.pipeline as pipeline
 import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..common import aux_scores, bounds, bwd_scores, dq_shift, masking, tile_queue, tile_schedule, tiles
+from ..common import aux_scores, bias_stage, bounds, bwd_scores, dq_shift, masking, tile_queue, tile_schedule, tiles
 from . import bwd_aux
 from . import common as sc
 from .bwd_base import BAR_CONSUMERS, BAR_WG_BASE, Sm90BwdBase
@@ -34,6 +34,13 @@ class BwdDQSm90(Sm90BwdBase):
         # The queued kernel stages dQ through a tile of its own (32 KB at head dim 128), so a tile's Q / dO can
         # be released, and the next tile's loaded, before its epilogue; not above head dim 128 (no room).
         self.separate_out = head_dim <= 128
+        # "bias": the consumer warpgroups stage each key tile's bias in shared memory a tile ahead
+        # (common/bias_stage.py) where its two buffers fit (36 KB at 128 x 64: every head dim up to 128).
+        elem = dtype.width // 8
+        smem_used = elem * (2 * block_m * head_dim + 2 * num_stages * block_n * head_dim
+                            + (block_m * head_dim if self.separate_out else 0))
+        self.stage_bias = (self.aux == "bias"
+                           and smem_used + elem * bias_stage.smem_elems(block_m, block_n) + 4096 <= 227 * 1024)
 
     @cute.jit
     def __call__(
@@ -110,6 +117,9 @@ class BwdDQSm90(Sm90BwdBase):
             sSlots: cute.struct.MemRange[cutlass.Int32, 2 * 4]
             # dQ's reference key (dq_shift.reference_key), float32 per column.
             sKref: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, HD], 16]
+            # The staged bias's two buffers (bias_stage).
+            sBias: cute.struct.Align[cute.struct.MemRange[
+                dt, bias_stage.smem_elems(BM, BN) if self.stage_bias else 0], 128]
 
         group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
         # Query tiles: dense (ceil(max_seqlen_q / BM) per sequence) or, where that launches at least twice as
@@ -195,6 +205,9 @@ class BwdDQSm90(Sm90BwdBase):
         shift_args = (shift_args[0], shift_args[1], storage.sKref.get_tensor(cute.make_layout(HD)))
         tmas = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V)
         seqs = (mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right)
+        sBias = None
+        if cutlass.const_expr(self.stage_bias):
+            sBias = storage.sBias.get_tensor(bias_stage.layout(self.block_m, self.block_n))
 
         if cutlass.const_expr(compact):
             # Compact tiles per head (tile_schedule.compact_tiles_per_head) x heads, each head's highest tile first.
@@ -211,7 +224,7 @@ class BwdDQSm90(Sm90BwdBase):
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume_claimed(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
-                                     score_mul, cap_mul, dscale, seqs, queue, sched, sOut, shift_args, aux)
+                                     score_mul, cap_mul, dscale, seqs, queue, sched, sOut, shift_args, aux, sBias)
         else:
             m_block_rev, head, batch = cute.arch.block_idx()
             # Highest query tiles first: under causal masks they visit the most key tiles (the order of CTAs
@@ -238,7 +251,7 @@ class BwdDQSm90(Sm90BwdBase):
                                  score_mul, cap_mul, dscale, m_block, head, tb,
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages),
-                                 False, None, shift_args, aux, batch)
+                                 False, None, shift_args, aux, batch, sBias)
             else:
                 tidx, _, _ = cute.arch.thread_idx()
                 if tidx < self.num_consumer_threads:
@@ -349,7 +362,7 @@ class BwdDQSm90(Sm90BwdBase):
 
     @cute.jit
     def consume_claimed(self, sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out,
-                        score_mul, cap_mul, dscale, seqs, queue, sched, sOut, shift_args, aux=None):
+                        score_mul, cap_mul, dscale, seqs, queue, sched, sOut, shift_args, aux=None, sBias=None):
         """The compact kernel's consumers: the tiles the producer published, in its order, until the end; a
         tile with nothing to compute gets its zeros (rows up to the slot end)."""
         BM, HD = self.block_m, self.head_dim
@@ -371,7 +384,7 @@ class BwdDQSm90(Sm90BwdBase):
             if m0 < tb.q_len and tb.hi > tb.lo:
                 state_q, state = self.consume(sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q,
                                               copy_out, score_mul, cap_mul, dscale, m_block, head, tb, state_q, state,
-                                              True, sOut, shift_args, aux, batch)
+                                              True, sOut, shift_args, aux, batch, sBias)
             else:
                 gdQ = cute.local_tile(cute.domain_offset((tb.q_start, 0), mdQ[None, head, None]), (BM, HD),
                                       (m_block, 0))
@@ -383,7 +396,7 @@ class BwdDQSm90(Sm90BwdBase):
     @cute.jit
     def consume(self, sQ, sdO, sK, sV, pipe_q, pipe_kv, mLSE, mDelta, mdQ, mma_s, mma_q, copy_out, score_mul,
                 cap_mul, dscale, m_block, head, tb, state_q, state, release_q: cutlass.Constexpr, sOut=None,
-                shift_args=None, aux=None, batch=None):
+                shift_args=None, aux=None, batch=None, sBias=None):
         """The consumers' part of one query tile (`tb`: its bounds.TileBounds); returns the advanced pipeline
         states.  `release_q`: free the
         Q / dO stage for the next tile: right after the last step's GEMMs where `sOut` (a staging tile of sQ's
@@ -391,7 +404,8 @@ class BwdDQSm90(Sm90BwdBase):
         bwd_aux.BwdAux, with the tile's sequence `batch`): "bias": S becomes natural-unit scores with the head's
         mask and bias, and P comes from the forward's m and ln l; "mask": S gets -inf where the head's mask hides
         a pair, and P comes from lse as in the plain kernel (`dq_probs`).  `shift_args` (mdLSE, partial_keys,
-        sKref): dQ against a reference key, and rowsum(P dP) into mDelta (dq_shift)."""
+        sKref): dQ against a reference key, and rowsum(P dP) into mDelta (dq_shift).  `sBias`: the staged bias's
+        buffers (bias_stage), else None."""
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         q_start, q_len, _, k_len, q_slot, off, left, right, n_min, n_max = tb
         dt = self.dtype
@@ -427,8 +441,17 @@ class BwdDQSm90(Sm90BwdBase):
             row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
             bwd_scores.load_row_stats_exact(aux.row_max, aux.log_sum, mDelta, head, q_start, q_len, m0, cS_mn, row_max,
                                             lse2, delta, 0)
+        stage = None
         if cutlass.const_expr(aux is not None):
             view = bwd_aux.view(aux, batch, head)
+        if cutlass.const_expr(self.stage_bias):
+            # This warpgroup's rows of the staged bias, and the first key tile's copies, before the waits for K
+            # and Q (dq_probs stages the next ones).
+            rows = BM // 2
+            stage = bias_stage.BiasStage(sBias, wg * rows, rows, BN, BAR_WG_BASE + wg)
+            if n_max > n_min:
+                aux_scores.stage_bias(stage, view, m0 + stage.row0, (n_max - 1) * BN, n_max - 1, q_len, k_len,
+                                      tidx % 128)
         sums = dq_shift.make_sums(n_rows, self.has_softcap)
         mdLSE, partial_keys, sKref = shift_args
         dlse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
@@ -461,7 +484,7 @@ class BwdDQSm90(Sm90BwdBase):
                 cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
             warpgroup.wait_group(1)
             self.dq_probs(acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right,
-                          score_mul, cap_mul, view, cls, row_max)
+                          score_mul, cap_mul, view, cls, row_max, stage, n_min, tidx)
             if cutlass.const_expr(self.pin_waits):
                 sc.wgmma_wait_after(acc_S, opaque_zero, 0)
             warpgroup.wait_group(0)
@@ -511,13 +534,14 @@ class BwdDQSm90(Sm90BwdBase):
 
     @cute.jit
     def dq_probs(self, acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right, score_mul,
-                 cap_mul, view=None, cls=None, row_max=None):
+                 cap_mul, view=None, cls=None, row_max=None, stage=None, n_min=None, tidx=None):
         """S -> P in place (select: 0 where masked or the query is padded / empty); with softcap acc_T gets
         1 - tanh^2 for dS.  Aux "bias" (`view`, the tile's `cls`, `row_max` m; lse2 holds ln l * log2 e):
         natural-unit scores with the mask and bias first (aux_scores.scores), then P from m and ln l
         (probs_exact); aux "mask" (lse2 as in the plain kernel): raw scores with -inf where the mask hides a pair
         (aux_scores.mask_scores), then the plain kernel's P.  The visibility rule applies after, as in the
-        plain kernel."""
+        plain kernel.  `stage`: the warpgroup's staged bias (bias_stage.BiasStage) holding this tile's; the copies
+        of key tile n_block - 1 are issued after its read, if that tile is at least n_min."""
         BM, BN = self.block_m, self.block_n
         s_mn = masking.acc_mn_view_sm90(acc_S)
         t_mn = s_mn
@@ -533,7 +557,12 @@ class BwdDQSm90(Sm90BwdBase):
             bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
                                         score_mul, cap_mul, need, 0, False)
         else:
-            aux_scores.scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, score_mul, cls, 0)
+            aux_scores.scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, score_mul, cls, 0,
+                              staged=stage)
+            if cutlass.const_expr(stage is not None):
+                if n_block > n_min:
+                    aux_scores.stage_bias(stage, view, m_block * BM + stage.row0, (n_block - 1) * BN, n_block - 1,
+                                          q_len, k_len, tidx % 128)
             bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
                                    need, 0)
 

@@ -52,7 +52,7 @@ import cutlass.pipeline as pipeline
 import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..common import aux_scores, bounds, masking, softmax, tile_queue, tile_schedule, tiles
+from ..common import aux_scores, bias_stage, bounds, masking, softmax, tile_queue, tile_schedule, tiles
 from . import common as sc
 from . import fwd_aux
 from .fwd_producer import FwdProducer
@@ -113,6 +113,12 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         # buffer (head dims <= 128: +3-11% on an H100 at 2k-8k tokens), else 1 (hd256 was 1-12% slower with 4:
         # without the buffer the next Q cannot load during the epilogue).
         self.max_tiles_per_cta = 4 if self.separate_o else 1
+        # "bias": the consumer warpgroups stage each key tile's bias in shared memory a tile ahead
+        # (common/bias_stage.py) where its two buffers fit (68 KB at 128 x 128: head dims up to 96; at 128 the
+        # kernel already takes 192 KB and reads the bias from global memory at the softmax).
+        smem_used = smem_qkvo - (0 if self.separate_o else elem * block_m * head_dim)
+        self.stage_bias = (aux == "bias"
+                           and smem_used + elem * bias_stage.smem_elems(block_m, block_n) + 4096 <= 227 * 1024)
         # With several tiles per CTA, the producer asks L2 for the next tile's Q and first K / V block once
         # the current tile's first step is issued: the next tile usually belongs to another head, whose
         # first loads would otherwise come from HBM just when the consumers need them.  Measured on an H100:
@@ -200,6 +206,9 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout) if self.separate_o else 0], 1024]
+            # The staged bias's two buffers (bias_stage).
+            sBias: cute.struct.Align[cute.struct.MemRange[
+                dt, bias_stage.smem_elems(BM, BN) if self.stage_bias else 0], 128]
 
         # Linear tile index, dense: m-block fastest (ceil(max_seqlen_q / BM) per sequence), then head, then
         # sequence.  Where that would launch mostly tiles past short sequences, compact instead: head, then
@@ -330,8 +339,11 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
                                  pipe_q, pipe_k, pipe_v, sched)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            sBias = None
+            if cutlass.const_expr(self.stage_bias):
+                sBias = storage.sBias.get_tensor(bias_stage.layout(self.block_m, self.block_n))
             self.consume(sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, mSinks, tiled_mma_qk, tiled_mma_pv,
-                         copy_out, score_mul, cap_mul, sched, queue)
+                         copy_out, score_mul, cap_mul, sched, queue, sBias)
 
     @cute.jit
     def consume(
@@ -353,6 +365,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         cap_mul: cutlass.Float32,
         sched,
         queue=None,
+        sBias=None,
     ):
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         tidx_all, _, _ = cute.arch.thread_idx()
@@ -405,9 +418,14 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         opaque_zero = sched.tiles_per_cta >> 30  # < 2^30: 0, but a kernel argument, so no compiler knows it
+        stage = None
+        if cutlass.const_expr(self.stage_bias):
+            # This warpgroup's rows of the staged bias.
+            rows = BM // self.num_consumer_wg
+            stage = bias_stage.BiasStage(sBias, wg * rows, rows, BN, _BAR_WG_BASE + wg)
         ctx = (sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, mSinks, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv,
                copy_out, copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha,
-               rP, tOrP, score_mul, cap_mul, mul, tidx, wg, opaque_zero)
+               rP, tOrP, score_mul, cap_mul, mul, tidx, wg, opaque_zero, stage)
         if cutlass.const_expr(queue is None):
             for j in cutlass.range(sched.tiles_per_cta, unroll=1):
                 state_q, state = self.consume_or_zero(self.tile_info(j, sched), ctx, state_q, state, sched)
@@ -432,12 +450,12 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
          q_slot, batch) = info
         (sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, mSinks, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv, copy_out,
          copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP, tOrP,
-         score_mul, cap_mul, mul, tidx, wg, opaque_zero) = ctx
+         score_mul, cap_mul, mul, tidx, wg, opaque_zero, stage) = ctx
         if present:
             aux_tile = None
             if cutlass.const_expr(self.aux):
                 # The mask / bias of this tile's (sequence, query head); [n_min, n_max) is already narrowed.
-                aux_tile = (fwd_aux.tile_view(sched.aux, batch, head, sched.num_heads), sched.aux)
+                aux_tile = (fwd_aux.tile_view(sched.aux, batch, head, sched.num_heads), sched.aux, stage)
             state_q, state = self.consume_tile(
                 sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, mSinks, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv,
                 copy_out, copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha, rP,
@@ -459,16 +477,22 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         `aux_tile`: the aux variants' (AuxView of the tile, fwd_aux.FwdAux), else None."""
         BM, HD = self.block_m, self.head_dim
         view = None
+        stage = None
         if cutlass.const_expr(self.aux):
             view = aux_tile[0]
+            stage = aux_tile[2]
         m0 = m_block * BM
         s_shape = rP.shape
         n_rows = cute.size(row_max)
         acc_O.fill(0.0)
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
-        pipe_q.consumer_wait(state_q)
         n_tiles = n_max - n_min
+        if cutlass.const_expr(self.stage_bias):
+            # The first key tile's bias copies, before the waits for Q and K (transform_and_mask stages the next).
+            if n_tiles > 0:
+                fwd_aux.stage_tile_bias(stage, view, m_block, n_max - 1, BM, self.block_n, q_len, k_len, tidx)
+        pipe_q.consumer_wait(state_q)
         if n_tiles > 0:
             # Prologue: S and P of the first tile (acc_O is still zero: no rescale needed).
             pipe_k.consumer_wait(state)
@@ -478,7 +502,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
             s_mn = self.transform_and_mask(acc_S, cS_mn, score_mul, cap_mul, n_max - 1, m_block, q_len,
-                                           k_len, off, left, right, view, cls, opaque_zero)
+                                           k_len, off, left, right, view, cls, opaque_zero, stage, n_min, tidx)
             softmax.online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul, exact=self.aux_exact)
             rP.store(acc_S.load().to(self.dtype))
             for it in cutlass.range(n_tiles - 1, unroll=1):
@@ -499,7 +523,8 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
                 # Softmax of tile n_cur while P V of tile n_cur + 1 runs; acc_O (being written by
                 # that GEMM) and P are updated only after it completes.
                 s_mn2 = self.transform_and_mask(acc_S2, cS_mn, score_mul, cap_mul, n_cur, m_block, q_len,
-                                                k_len, off, left, right, view, cls2, opaque_zero)
+                                                k_len, off, left, right, view, cls2, opaque_zero, stage, n_min,
+                                                tidx)
                 softmax.online_softmax_step_alpha(s_mn2, row_max, row_sum, alpha, mul, exact=self.aux_exact)
                 if cutlass.const_expr(self.pin_pv_wait):
                     sc.wgmma_wait_after(row_sum, opaque_zero, 0)
@@ -624,10 +649,12 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
     def transform_and_mask(self, acc_S: cute.Tensor, cS_mn: cute.Tensor, score_mul: cutlass.Float32,
                            cap_mul: cutlass.Float32, n_block: cutlass.Int32, m_block: cutlass.Int32,
                            q_len: cutlass.Int32, k_len: cutlass.Int32, off: cutlass.Int32, left: cutlass.Int32,
-                           right: cutlass.Int32, view=None, cls=None, opaque_zero=None):
+                           right: cutlass.Int32, view=None, cls=None, opaque_zero=None, stage=None, n_min=None,
+                           tidx=None):
         """Scores of one tile as the softmax takes them (soft-capped or raw; aux "bias": natural units with bias
         and mask; aux "mask": raw with the mask; `view` the tile's AuxView, `cls` its aux_tile_class entry, voted
-        on here), -inf where a key is not visible."""
+        on here), -inf where a key is not visible.  `stage`: the warpgroup's staged bias (bias_stage.BiasStage,
+        where the "bias" kind stages it; the next key tile's copies are issued here, down to n_min)."""
         BM, BN = self.block_m, self.block_n
         if cutlass.const_expr(self.aux):
             # The vote reads the entry OR'ed with (a score's bits & opaque_zero), the entry itself at run time
@@ -641,7 +668,8 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         if cutlass.const_expr(self.aux_exact):
             # Bias and mask first (they read only inside the valid rectangle), then the visibility mask as in
             # the plain kernel: pairs outside the rectangle become -inf by select whatever they hold.
-            fwd_aux.tile_scores(s_mn, cS_mn, view, cls, m_block, n_block, BM, BN, q_len, k_len, score_mul)
+            fwd_aux.tile_scores(s_mn, cS_mn, view, cls, m_block, n_block, BM, BN, q_len, k_len, score_mul, stage,
+                                n_min, tidx)
         if cutlass.const_expr(self.aux == "mask"):
             # The mask alone on the raw scores (the softmax applies score_mul), then the visibility mask.
             fwd_aux.tile_mask_scores(s_mn, cS_mn, view, cls, m_block, n_block, BM, BN, q_len, k_len)

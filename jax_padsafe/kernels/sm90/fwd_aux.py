@@ -130,10 +130,26 @@ def tile_class_vote(view, entry: cutlass.Int32, block_m: cutlass.Constexpr,
 @cute.jit
 def tile_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, view, cls: cutlass.Int32, m_block: cutlass.Int32,
                 n_block: cutlass.Int32, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr,
-                q_len: cutlass.Int32, k_len: cutlass.Int32, score_mul: cutlass.Float32):
+                q_len: cutlass.Int32, k_len: cutlass.Int32, score_mul: cutlass.Float32, stage=None,
+                n_min: cutlass.Int32 = None, tidx: cutlass.Int32 = None):
     """In place: raw q.k of tile (m_block, n_block) of class `cls` (tile_class) -> natural-unit scores with bias
-    and mask (the caller then applies the visibility mask)."""
-    aux_scores.scores(s_mn, c_mn, view, m_block * block_m, n_block * block_n, q_len, k_len, score_mul, cls, 0)
+    and mask (the caller then applies the visibility mask).  With `stage` (the kernel stages the bias, a
+    bias_stage.BiasStage of the calling warpgroup: `stage_tile_bias` filled it for this tile), the bias comes
+    from shared memory, and the copies of the next key tile, n_block - 1, are issued if it is at least n_min."""
+    aux_scores.scores(s_mn, c_mn, view, m_block * block_m, n_block * block_n, q_len, k_len, score_mul, cls, 0,
+                      staged=stage)
+    if cutlass.const_expr(stage is not None):
+        if n_block > n_min:
+            stage_tile_bias(stage, view, m_block, n_block - 1, block_m, block_n, q_len, k_len, tidx)
+
+
+@cute.jit
+def stage_tile_bias(stage, view, m_block: cutlass.Int32, n_block: cutlass.Int32, block_m: cutlass.Constexpr,
+                    block_n: cutlass.Constexpr, q_len: cutlass.Int32, k_len: cutlass.Int32, tidx: cutlass.Int32):
+    """The calling warpgroup's copies of tile (m_block, n_block)'s bias (aux_scores.stage_bias); `tidx` the
+    consumer thread index."""
+    aux_scores.stage_bias(stage, view, m_block * block_m + stage.row0, n_block * block_n, n_block, q_len, k_len,
+                          tidx % 128)
 
 
 @cute.jit
