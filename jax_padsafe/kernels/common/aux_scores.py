@@ -23,8 +23,10 @@ is [min(b, Bx - 1), head // (N // Hx), min(i, Tx - 1), j].
 
 Pad safety: every mask or bias load reads a cell of the valid rectangle (i < q_len, j < k_len: the pair
 itself, or for a pair outside the rectangle the nearest cell inside, whose value a select then discards),
-one element per load (no vector load can straddle a row or the end of the tensor at any S or alignment).
-Everything outside the rectangle is hidden by the visibility mask, with selects.  The block summary is computed over the whole tensor, padding included: a poisoned padding
+one element or one aligned pair per load (no vector load can straddle a row or the end of the tensor at any S
+or alignment).  The staged bias (bias_stage.py) copies 16-byte row segments only of tiles wholly inside the
+rectangle, with S a multiple of 8.  Everything outside the rectangle is hidden by the visibility mask, with
+selects.  The block summary is computed over the whole tensor, padding included: a poisoned padding
 cell can only turn a HIDDEN or VISIBLE block into MIXED (more work, the same values bitwise: a block whose
 every pair is hidden contributes exact zeros and leaves the softmax state unchanged).
 """
@@ -227,13 +229,13 @@ def _pairs_inside(c_mn: cute.Tensor, t: cute.Tensor, q0, k0, q_end, k_end) -> cu
 
 
 @cute.jit
-def _add_bias(s_mn: cute.Tensor, c_mn: cute.Tensor, bias: cute.Tensor, q0, k0, q_last, k_last, q_len, k_len,
-              query_mode: cutlass.Constexpr):
-    """s += bias[i, j] inside the valid rectangle.  Every load reads the clamped pair (min(i, q_last),
-    min(j, k_last)), a cell of the rectangle, unconditionally, and a select keeps it only for the pair
-    itself: no branch around the loads, so they issue back to back, and none reads padding.  With queries
-    as rows, a fragment wholly inside the rectangle loads two adjacent keys per load (_pairs_inside): half
-    the loads, and fewer L1 wavefronts per warp."""
+def _scale_add_bias(s_mn: cute.Tensor, c_mn: cute.Tensor, bias: cute.Tensor, q0, k0, q_last, k_last, q_len, k_len,
+                    scale: cutlass.Float32, query_mode: cutlass.Constexpr):
+    """Raw q.k -> q.k * scale + bias[i, j] in one rounding (FFMA) inside the valid rectangle, q.k * scale
+    outside it.  Every load reads the clamped pair (min(i, q_last), min(j, k_last)), a cell of the rectangle,
+    unconditionally, and a select keeps it only for the pair itself: no branch around the loads, so they issue
+    back to back, and none reads padding.  With queries as rows, a fragment wholly inside the rectangle loads
+    two adjacent keys per load (_pairs_inside): half the loads, and fewer L1 wavefronts per warp."""
     t_last = cute.size(bias.shape[0]) - 1
     paired = cutlass.Boolean(False)
     if cutlass.const_expr(query_mode == 0 and cute.size(s_mn, mode=[1]) % 2 == 0):
@@ -246,29 +248,30 @@ def _add_bias(s_mn: cute.Tensor, c_mn: cute.Tensor, bias: cute.Tensor, q0, k0, q
                 addr = (bias.iterator + cute.crd2idx((i, j), bias.layout)).toint()
                 two = cute.make_tensor(cute.make_ptr(bias.element_type, addr, cute.AddressSpace.gmem,
                                                      assumed_align=2 * width), cute.make_layout(2)).load()
-                s_mn[r, 2 * c] = s_mn[r, 2 * c] + two[0].to(cutlass.Float32)
-                s_mn[r, 2 * c + 1] = s_mn[r, 2 * c + 1] + two[1].to(cutlass.Float32)
+                s_mn[r, 2 * c] = cute.math.fma(s_mn[r, 2 * c], scale, two[0].to(cutlass.Float32))
+                s_mn[r, 2 * c + 1] = cute.math.fma(s_mn[r, 2 * c + 1], scale, two[1].to(cutlass.Float32))
     else:
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 i, j = _pair(c_mn, r, c, q0, k0, query_mode)
                 b = bias[cutlass.min(cutlass.min(i, q_last), t_last), cutlass.min(j, k_last)].to(cutlass.Float32)
-                s = s_mn[r, c]
+                x = s_mn[r, c]
+                s = x * scale
                 if i < q_len and j < k_len:
-                    s = s + b
+                    s = cute.math.fma(x, scale, b)
                 s_mn[r, c] = s
 
 
 @cute.jit
-def stage_bias(stage: bias_stage.BiasStage, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32, n_block: cutlass.Int32,
+def stage_bias(stage: bias_stage.BiasStage, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32,
                q_len: cutlass.Int32, k_len: cutlass.Int32, wg_tidx: cutlass.Int32):
-    """The copies of key tile n_block's bias (keys from k0) for the warpgroup's rows (queries from q0, the
-    warpgroup's first) into the stage, where the bias is of the input dtype and `bias_stage.fits`; commits one
-    copy group either way.  `scores(..., staged=stage)` adds them a key tile later."""
+    """The copies of the warpgroup's part of the bias tile at (q0, k0) (its first query and key) into buffer
+    stage.parity, where the bias is of the input dtype and `bias_stage.fits`; commits one copy group either way.
+    `scores(..., staged=stage)` adds them a step later."""
     k_lim = cutlass.min(k_len, v.width)
     if (v.flags & FLAG_BIAS) != 0:
-        if bias_stage.fits(v.bias, q0, stage.rows, k0, stage.block_n, q_len, k_lim):
-            bias_stage.copy(stage, v.bias, q0, k0, n_block, wg_tidx)
+        if bias_stage.fits(stage, v.bias, q0, k0, q_len, k_lim):
+            bias_stage.copy(stage, v.bias, q0, k0, wg_tidx)
     cute.arch.cp_async_commit_group()
 
 
@@ -343,7 +346,7 @@ def _load_clamped(out_mn: cute.Tensor, c_mn: cute.Tensor, t: cute.Tensor, q0, k0
 @cute.jit
 def _apply_mask(s_mn: cute.Tensor, c_mn: cute.Tensor, mask: cute.Tensor, q0, k0, q_last, k_last, q_len, k_len,
                 query_mode: cutlass.Constexpr):
-    """s = -inf where the mask hides a pair of the valid rectangle (loads as in _add_bias, pairs included)."""
+    """s = -inf where the mask hides a pair of the valid rectangle (loads as in _scale_add_bias, pairs included)."""
     t_last = cute.size(mask.shape[0]) - 1
     paired = cutlass.Boolean(False)
     if cutlass.const_expr(query_mode == 0 and cute.size(s_mn, mode=[1]) % 2 == 0):
@@ -386,9 +389,10 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
     keep q.k * scale, and the caller's visibility mask (after this) hides them.  `cls` is the tile's
     tile_class: VISIBLE skips the mask loads, HIDDEN and MIXED take them.  `bias_mn` (queries as
     rows): the tile's bias already in registers (load_bias), added inside the valid rectangle as the loads
-    would add it, bitwise.  `staged` (queries as rows; a bias_stage.BiasStage): the calling warpgroup's staged
-    bias, which `stage_bias` filled for this tile where it fits; its cells are added as the loads would add
-    them, bitwise.  Every thread of the warpgroup must call it then (it waits at the warpgroup's barrier)."""
+    would add it, bitwise.  `staged` (a bias_stage.BiasStage, its parity this tile's): the calling warpgroup's
+    staged bias, which `stage_bias` filled for this tile where it fits; its cells are added as the loads would
+    add them, bitwise.  Every thread of the warpgroup must call it then (it waits at the warpgroup's
+    barrier)."""
     # A VISIBLE tile without a bias (most tiles of a causal or padding mask) costs one multiplication per
     # score.  A HIDDEN tile (one inside a row's range of tiles) takes the mask loads of a MIXED one, which hide
     # every pair of it: a fill of -inf in a branch of its own made ptxas materialize the -inf fragment and a
@@ -396,46 +400,55 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
     # handler checks shapes against the call, not the lengths in device memory, so this keeps every load
     # inside the allocation whatever they hold.
     k_lim = cutlass.min(k_len, v.width)
-    s_mn.store(s_mn.load() * scale)
     if cutlass.const_expr(staged is not None):
         # The warpgroup copied this tile's bias a key tile ahead (stage_bias) where it fits; each thread waits
-        # for its copies, the barrier for everyone's.  The other cases (a tile past the rectangle's edge, a
-        # float32 bias) are read here.
+        # for its copies, the barrier for everyone's.
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier(barrier_id=staged.barrier, number_of_threads=128)
-        if q_len > 0 and k_lim > 0:
+    # Each score is q.k * scale + bias in one rounding (an FFMA) inside the valid rectangle, q.k * scale outside
+    # it, whichever way the bias arrives (staged, registers, paired or single loads): every kernel, forward
+    # and backward, then forms the same score bitwise, which the backward's P = exp(s - m - ln l) needs under
+    # huge finite biases.  A bias is of the input dtype (FLAG_BIAS) or float32 (FLAG_BIAS32), never both.
+    if (v.flags & (FLAG_BIAS | FLAG_BIAS32)) != 0 and q_len > 0 and k_lim > 0:
+        if cutlass.const_expr(bias_mn is not None):
+            rows = cute.size(s_mn, mode=[0])
+            cols = cute.size(s_mn, mode=[1])
+            # This thread's last row and column.
+            i_hi = q0 + c_mn[0, 0][0]
+            j_hi = k0 + c_mn[0, 0][1]
+            for r in cutlass.range_constexpr(rows):
+                i_hi = cutlass.max(i_hi, q0 + c_mn[r, 0][0])
+            for c in cutlass.range_constexpr(cols):
+                j_hi = cutlass.max(j_hi, k0 + c_mn[0, c][1])
+            if i_hi < q_len and j_hi < k_lim:
+                # This thread's cells all lie inside the rectangle.
+                for r in cutlass.range_constexpr(rows):
+                    for c in cutlass.range_constexpr(cols):
+                        s_mn[r, c] = cute.math.fma(s_mn[r, c], scale, bias_mn[r, c])
+            else:
+                for r in cutlass.range_constexpr(rows):
+                    for c in cutlass.range_constexpr(cols):
+                        x = s_mn[r, c]
+                        t = x * scale
+                        if q0 + c_mn[r, c][0] < q_len and k0 + c_mn[r, c][1] < k_lim:
+                            t = cute.math.fma(x, scale, bias_mn[r, c])
+                        s_mn[r, c] = t
+        else:
             if (v.flags & FLAG_BIAS32) != 0:
-                _add_bias(s_mn, c_mn, v.bias32, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
-            if (v.flags & FLAG_BIAS) != 0:
-                n_block = k0 // staged.block_n
-                if bias_stage.fits(v.bias, q0 + staged.row0, staged.rows, k0, staged.block_n, q_len, k_lim):
-                    bias_stage.add(s_mn, c_mn, staged, n_block)
+                _scale_add_bias(s_mn, c_mn, v.bias32, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, scale,
+                                query_mode)
+            else:
+                if cutlass.const_expr(staged is not None):
+                    if bias_stage.fits(staged, v.bias, q0, k0, q_len, k_lim):
+                        bias_stage.add(s_mn, c_mn, staged, scale, query_mode)
+                    else:
+                        _scale_add_bias(s_mn, c_mn, v.bias, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, scale,
+                                        query_mode)
                 else:
-                    _add_bias(s_mn, c_mn, v.bias, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
-    elif cutlass.const_expr(bias_mn is not None):
-        rows = cute.size(s_mn, mode=[0])
-        cols = cute.size(s_mn, mode=[1])
-        # This thread's last row and column.
-        i_hi = q0 + c_mn[0, 0][0]
-        j_hi = k0 + c_mn[0, 0][1]
-        for r in cutlass.range_constexpr(rows):
-            i_hi = cutlass.max(i_hi, q0 + c_mn[r, 0][0])
-        for c in cutlass.range_constexpr(cols):
-            j_hi = cutlass.max(j_hi, k0 + c_mn[0, c][1])
-        if (v.flags & (FLAG_BIAS | FLAG_BIAS32)) != 0 and i_hi < q_len and j_hi < k_lim:
-            s_mn.store(s_mn.load() + bias_mn.load())  # this thread's cells all lie inside the rectangle
-        elif (v.flags & (FLAG_BIAS | FLAG_BIAS32)) != 0:
-            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                    s = s_mn[r, c]
-                    if q0 + c_mn[r, c][0] < q_len and k0 + c_mn[r, c][1] < k_lim:
-                        s = s + bias_mn[r, c]
-                    s_mn[r, c] = s
-    elif q_len > 0 and k_lim > 0:
-        if (v.flags & FLAG_BIAS32) != 0:
-            _add_bias(s_mn, c_mn, v.bias32, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
-        if (v.flags & FLAG_BIAS) != 0:
-            _add_bias(s_mn, c_mn, v.bias, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
+                    _scale_add_bias(s_mn, c_mn, v.bias, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, scale,
+                                    query_mode)
+    else:
+        s_mn.store(s_mn.load() * scale)
     if (v.flags & FLAG_ALIBI) != 0:
         _add_alibi(s_mn, c_mn, v.slope, alibi_offset(v, q_len, k_len), q0, k0, query_mode)
     if q_len > 0 and k_lim > 0:

@@ -6,7 +6,7 @@ import cutlass.pipeline as pipeline
 import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import cpasync
 
-from ..common import aux_scores, bounds, tile_queue, tile_schedule, tiles
+from ..common import aux_scores, bias_stage, bounds, tile_queue, tile_schedule, tiles
 from . import bwd_aux
 from . import common as sc
 from .bwd_base import Sm90BwdBase
@@ -46,6 +46,14 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         # ptxas sinks those conversions below the wait, between the dV wgmmas that read them.
         self.pin_waits = pin_waits
         self.split_head_dim = block_n == 64
+        # "bias": each consumer warpgroup stages its 64 keys x block_m queries of the next step's bias in shared
+        # memory a step ahead (common/bias_stage.py), where the two buffers fit (34 KB at 64 x 128: head dims
+        # up to 96; at 128 the kernel already takes 192 KB, and the head-dim split's tiles differ).
+        elem = dtype.width // 8
+        smem_used = elem * (2 * block_n * head_dim + 2 * num_stages * block_m * head_dim
+                            + (2 * block_n * head_dim if self.separate_out else 0))
+        self.stage_bias = (self.aux == "bias" and not self.split_head_dim
+                           and smem_used + elem * bias_stage.smem_elems(block_m, block_n) + 4096 <= 227 * 1024)
         # Each warpgroup's half of the head dim is whole swizzle atoms (hd192: 32-column atoms, 3 per half).
         assert not self.split_head_dim or (head_dim // 2) % 32 == 0
 
@@ -161,6 +169,9 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
             # head, k_start, k_len, k_slot, a run-time 0 for `epilogue_rows`), their barriers.
             mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
             sSlots: cute.struct.MemRange[cutlass.Int32, 2 * 8]
+            # The staged bias's two buffers (bias_stage).
+            sBias: cute.struct.Align[cute.struct.MemRange[
+                dt, bias_stage.smem_elems(BM, BN) if self.stage_bias else 0], 128]
 
         group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
         # Key tiles: dense (ceil(max_seqlen_k / BN) per sequence) or, where that launches at least twice as many
@@ -256,6 +267,9 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
 
         tmas = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V)
         seqs = (mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right)
+        sBias = None
+        if cutlass.const_expr(self.stage_bias):
+            sBias = storage.sBias.get_tensor(bias_stage.layout(BM, BN))
 
         if cutlass.const_expr(compact):
             # Compact tiles per kv head (tile_schedule.compact_tiles_per_head) x kv heads, claimed head by head, each
@@ -275,7 +289,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume_claimed(sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s,
                                      mma_kv, copy_out, score_mul, cap_mul, dscale, seqs, queue, slots, sched, out_tiles,
-                                     aux)
+                                     aux, sBias)
         else:
             n_block, head_kv, batch = cute.arch.block_idx()
             tb = bounds.key_tile(*seqs, batch, n_block, BM, BN)
@@ -287,7 +301,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
                 # Aux: the steps left after each query head's range is narrowed by its mask, counted here, before
                 # the producer and the consumers part, so both take the same branch and walk the same steps.
                 total = self.aux_steps(aux, batch, head_kv, group, n_block, tb.k_len, tb.lo, tb.hi)
-                aux_tile = (aux, batch, tb.hi, tb.q_len, tb.k_len)
+                aux_tile = (aux, batch, tb.hi, tb.q_len, tb.k_len, sBias)
             # A key tile past k_len, or one no valid query sees: dK = dV = 0; the CTA writes the zeros of its rows
             # up to the slot end (the handler's memset may have done so already) and computes nothing.
             if n0 < tb.k_len and total > 0:
@@ -369,7 +383,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
     def prefetch_bias(self, aux_tile, head, m_block, n_block):
         """The "bias" kind: L2 prefetch of query head `head`'s bias for the step (m_block, n_block)."""
         if cutlass.const_expr(self.aux == "bias"):
-            aux, batch, _, q_len, k_len = aux_tile
+            aux, batch, _, q_len, k_len = aux_tile[:5]
             aux_scores.prefetch_bias_l2(bwd_aux.view(aux, batch, head), m_block, n_block, self.block_m,
                                         self.block_n, q_len, k_len)
 
@@ -471,7 +485,8 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
 
     @cute.jit
     def consume_claimed(self, sK, sV, sQ, sdO, sStat, sdS, sdQ, pipe_kv, pipe_q, mLSE, mDelta, mdK, mdV, mma_s,
-                        mma_kv, copy_out, score_mul, cap_mul, dscale, seqs, queue, slots, sched, out_tiles, aux=None):
+                        mma_kv, copy_out, score_mul, cap_mul, dscale, seqs, queue, slots, sched, out_tiles, aux=None,
+                        sBias=None):
         """The compact kernel's consumers: the key tiles the producer claimed, in its order, until a claim past
         the end.  The slot of the current tile stays held until its epilogue is done: `key_tile` and
         `epilogue_rows` read the tile's values from it (`slot`, a view of the slot's values after the tile
@@ -500,7 +515,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
             if cutlass.const_expr(aux is not None):
                 # The producer's steps, derived in the same way (`produce_claimed`).
                 steps = self.aux_steps(aux, batch, head_kv, group, n_block, tb.k_len, tb.lo, tb.hi)
-                aux_tile = (aux, batch, tb.hi, tb.q_len, tb.k_len)
+                aux_tile = (aux, batch, tb.hi, tb.q_len, tb.k_len, sBias)
             if n0 < tb.k_len and steps > 0:
                 total = group * n_m
                 if cutlass.const_expr(aux is not None):

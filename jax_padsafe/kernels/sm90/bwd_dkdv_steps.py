@@ -5,7 +5,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
-from ..common import aux_scores, bounds, bwd_scores, masking
+from ..common import aux_scores, bias_stage, bounds, bwd_scores, masking
 from . import bwd_aux
 from . import common as sc
 from .bwd_base import BAR_CONSUMERS, BAR_DS_READY, BAR_P_READY, BAR_WG_BASE
@@ -22,7 +22,8 @@ class DKDVSteps:
         query head of the group and query tile that sees the key tile); returns the advanced pipeline states.
         `release_kv`: free the K / V stage for the next tile: right after the last step's GEMMs where `out_tiles` (two staging tiles of
         sK's layout) take dK / dV, else once the epilogue, staged through sK / sV, has read them.
-        `aux_tile` (aux variants: (bwd_aux.BwdAux, sequence, m_max, q_len, k_len)): the steps walk each query
+        `aux_tile` (aux variants: (bwd_aux.BwdAux, sequence, m_max, q_len, k_len, the staged bias's buffers or
+        None)): the steps walk each query
         head's narrowed range as the producer does (`total` counts them).  "bias": S^T becomes natural-unit
         scores with the head's mask and bias (aux_scores.scores), and P^T comes from the forward's m and ln l
         (bwd_scores.probs_exact);
@@ -101,6 +102,13 @@ class DKDVSteps:
             else:
                 stat = bwd_aux.stat_load(aux_tile[0], mDelta, head, q_start, q_len, m_block * BM + stat_row,
                                          stat_kind)
+        # "bias" where the kernel stages it: this warpgroup's keys x the step's queries of the bias, the first
+        # step's copies issued here, each next step's after the current step's read (bias_stage).
+        bias_st = None
+        if cutlass.const_expr(exact and self.stage_bias):
+            bias_st = bias_stage.make(aux_tile[5], 0, BM, wg * (BN // 2), BN // 2, BAR_WG_BASE + wg)
+            aux_scores.stage_bias(bias_st, bwd_aux.view(aux_tile[0], aux_tile[1], head), m_block * BM,
+                                  self.key_tile(n_block, slot) * BN, q_len, k_len, tidx % 128)
 
         # Head-dim split: per-thread views of P^T (fp32) and dS^T in shared memory,
         # in the S^T fragment's layout (the same thread of the other warpgroup reads what this one wrote).
@@ -208,7 +216,15 @@ class DKDVSteps:
                     # Natural-unit scores with the mask (-inf) and the bias, then P^T from m and ln l; the
                     # visibility rule applies after, inside probs_exact, as in the plain kernel.  ln l * log2 e
                     # and m are read only now (register pressure, see early_stats).
-                    aux_scores.scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, score_mul, cls, 1)
+                    staged = None
+                    if cutlass.const_expr(bias_st is not None):
+                        staged = bias_st._replace(parity=par)
+                    aux_scores.scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, score_mul, cls, 1, staged=staged)
+                    if cutlass.const_expr(bias_st is not None):
+                        if it + 1 < total:
+                            aux_scores.stage_bias(bias_st._replace(parity=1 - par),
+                                                  bwd_aux.view(aux_tile[0], aux_tile[1], next_head), next_m * BM,
+                                                  n0_step, q_len, k_len, tidx % 128)
                     for x in cutlass.range_constexpr(n_cols):
                         lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
                         row_max[x] = sStat[cS_mn[0, x][1], 2, par, wg]

@@ -448,10 +448,10 @@ class BwdDQSm90(Sm90BwdBase):
             # This warpgroup's rows of the staged bias, and the first key tile's copies, before the waits for K
             # and Q (dq_probs stages the next ones).
             rows = BM // 2
-            stage = bias_stage.BiasStage(sBias, wg * rows, rows, BN, BAR_WG_BASE + wg)
+            stage = bias_stage.make(sBias, wg * rows, rows, 0, BN, BAR_WG_BASE + wg)
             if n_max > n_min:
-                aux_scores.stage_bias(stage, view, m0 + stage.row0, (n_max - 1) * BN, n_max - 1, q_len, k_len,
-                                      tidx % 128)
+                aux_scores.stage_bias(stage._replace(parity=(n_max - 1) % 2), view, m0, (n_max - 1) * BN, q_len,
+                                      k_len, tidx % 128)
         sums = dq_shift.make_sums(n_rows, self.has_softcap)
         mdLSE, partial_keys, sKref = shift_args
         dlse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
@@ -557,12 +557,15 @@ class BwdDQSm90(Sm90BwdBase):
             bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
                                         score_mul, cap_mul, need, 0, False)
         else:
+            staged = None
+            if cutlass.const_expr(stage is not None):
+                staged = stage._replace(parity=n_block % 2)
             aux_scores.scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, score_mul, cls, 0,
-                              staged=stage)
+                              staged=staged)
             if cutlass.const_expr(stage is not None):
                 if n_block > n_min:
-                    aux_scores.stage_bias(stage, view, m_block * BM + stage.row0, (n_block - 1) * BN, n_block - 1,
-                                          q_len, k_len, tidx % 128)
+                    aux_scores.stage_bias(stage._replace(parity=(n_block - 1) % 2), view, m_block * BM,
+                                          (n_block - 1) * BN, q_len, k_len, tidx % 128)
             bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
                                    need, 0)
 

@@ -42,8 +42,8 @@ take the mask, bias, bias32, tile map and row-range tensors (the same entry for 
 max and ln(row sum) in natural units besides lse (mRowMax, mLogSum); each tile's key range is narrowed by the
 mask's block summary.  "bias": natural-unit scores (q.k * scale + bias) and a softmax of exact differences.
 "mask": the plain kernel's raw scores and exp2-domain softmax, with -inf selected where the mask hides a pair,
-so a tile the mask shows whole costs what it costs without a mask.  Mask and bias elements are read one at a
-time inside the valid rectangle only.
+so a tile the mask shows whole costs what it costs without a mask.  Mask and bias cells are read inside the
+valid rectangle only (the bias staged in shared memory a key tile ahead where it fits, common/bias_stage.py).
 """
 
 import cutlass
@@ -422,7 +422,7 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         if cutlass.const_expr(self.stage_bias):
             # This warpgroup's rows of the staged bias.
             rows = BM // self.num_consumer_wg
-            stage = bias_stage.BiasStage(sBias, wg * rows, rows, BN, _BAR_WG_BASE + wg)
+            stage = bias_stage.make(sBias, wg * rows, rows, 0, BN, _BAR_WG_BASE + wg)
         ctx = (sV, sO, pipe_q, pipe_k, pipe_v, mO, mLSE, mSinks, tiled_mma_qk0, tiled_mma_qk, tiled_mma_pv,
                copy_out, copy_r2s, thr_r2s, tSrQ, tSrK, tOrVt, acc_O, o_mn, cS_mn, cO_mn, row_max, row_sum, alpha,
                rP, tOrP, score_mul, cap_mul, mul, tidx, wg, opaque_zero, stage)

@@ -136,8 +136,11 @@ def tile_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, view, cls: cutlass.Int32, 
     and mask (the caller then applies the visibility mask).  With `stage` (the kernel stages the bias, a
     bias_stage.BiasStage of the calling warpgroup: `stage_tile_bias` filled it for this tile), the bias comes
     from shared memory, and the copies of the next key tile, n_block - 1, are issued if it is at least n_min."""
+    staged = None
+    if cutlass.const_expr(stage is not None):
+        staged = stage._replace(parity=n_block % 2)
     aux_scores.scores(s_mn, c_mn, view, m_block * block_m, n_block * block_n, q_len, k_len, score_mul, cls, 0,
-                      staged=stage)
+                      staged=staged)
     if cutlass.const_expr(stage is not None):
         if n_block > n_min:
             stage_tile_bias(stage, view, m_block, n_block - 1, block_m, block_n, q_len, k_len, tidx)
@@ -148,8 +151,8 @@ def stage_tile_bias(stage, view, m_block: cutlass.Int32, n_block: cutlass.Int32,
                     block_n: cutlass.Constexpr, q_len: cutlass.Int32, k_len: cutlass.Int32, tidx: cutlass.Int32):
     """The calling warpgroup's copies of tile (m_block, n_block)'s bias (aux_scores.stage_bias); `tidx` the
     consumer thread index."""
-    aux_scores.stage_bias(stage, view, m_block * block_m + stage.row0, n_block * block_n, n_block, q_len, k_len,
-                          tidx % 128)
+    aux_scores.stage_bias(stage._replace(parity=n_block % 2), view, m_block * block_m, n_block * block_n, q_len,
+                          k_len, tidx % 128)
 
 
 @cute.jit
