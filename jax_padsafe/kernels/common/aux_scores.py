@@ -18,8 +18,9 @@ bias, its key j column j.  Per call (the FFI handler's arguments, `_backends/cut
             computed from the indices (no T x S tensor), off = k_len - q_len with FLAG_ALIBI_BOTTOM_RIGHT, else 0;
             in the units of the kind's scores: natural for "bias", divided by the softmax scale for "mask".
 A tensor that is absent is a (1, 1, 1, 1) placeholder with its flag clear.  Broadcasting: Bx in {1, B},
-Hx in {1, K, N} (per query head, per key/value head, or shared), Tx in {1, T}; the element of (b, head, i, j)
-is [min(b, Bx - 1), head // (N // Hx), min(i, Tx - 1), j].
+Hx in {1, N} (shared or per query head; the caller broadcasts a per-key/value-head tensor to N, see
+_backends/cute/aux.py), Tx in {1, T}; the element of (b, head, i, j) is [min(b, Bx - 1), head if Hx = N else 0,
+min(i, Tx - 1), j].
 
 Pad safety: every mask or bias load reads a cell of the valid rectangle (i < q_len, j < k_len: the pair
 itself, or for a pair outside the rectangle the nearest cell inside, whose value a select then discards),
@@ -77,14 +78,12 @@ def view(mMask: cute.Tensor, mBias: cute.Tensor, mBias32: cute.Tensor, mTileMap:
 
     def bh(t):
         b = cutlass.min(batch, cute.size(t.shape[0]) - 1)
-        # Per query head, shared, or per key/value head: the first two without an integer division (a kernel
-        # that builds a view per (sequence, head) pair, the dbias kernels, pays that per pair and tensor).
-        heads = cute.size(t.shape[1])
+        # Per query head or shared: a select, no integer division (the dK/dV kernels build a view per step, and
+        # a division per tensor there cost a chain of dependent uniform instructions between the GEMM issue and
+        # the tile-class vote).
         h = cutlass.Int32(0)
-        if heads == num_heads:
+        if cute.size(t.shape[1]) == num_heads:
             h = head
-        elif heads != 1:
-            h = head // (num_heads // heads)
         return t[b, h, None, None]
 
     width = cute.size(mBias32.shape[3])
@@ -92,10 +91,12 @@ def view(mMask: cute.Tensor, mBias: cute.Tensor, mBias32: cute.Tensor, mTileMap:
         width = cute.size(mBias.shape[3])
     if (flags & FLAG_MASK) != 0:
         width = cute.size(mMask.shape[3])
-    # Read unconditionally (a placeholder is a real (1, 1, 1, 1) buffer), kept only with FLAG_ALIBI.
-    slope = bh(mSlopes)[0, 0]
-    if (flags & FLAG_ALIBI) == 0:
-        slope = cutlass.Float32(0.0)
+    # Read only with FLAG_ALIBI: the dK/dV kernels build a view per step, and an unconditional read put a
+    # global load, and the wait for it, in every step of every call.
+    slopes = bh(mSlopes)
+    slope = cutlass.Float32(0.0)
+    if (flags & FLAG_ALIBI) != 0:
+        slope = slopes[0, 0]
     return AuxView(bh(mMask), bh(mBias), bh(mBias32), bh(mTileMap), bh(mRowRange), bh(mColRange), flags, width,
                    slope)
 
@@ -344,43 +345,76 @@ def _load_clamped(out_mn: cute.Tensor, c_mn: cute.Tensor, t: cute.Tensor, q0, k0
 
 
 @cute.jit
-def _apply_mask(s_mn: cute.Tensor, c_mn: cute.Tensor, mask: cute.Tensor, q0, k0, q_last, k_last, q_len, k_len,
-                query_mode: cutlass.Constexpr):
-    """s = -inf where the mask hides a pair of the valid rectangle (loads as in _scale_add_bias, pairs included)."""
+def _apply_mask(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0, k0, q_len, k_len,
+                query_mode: cutlass.Constexpr, group: cutlass.Constexpr):
+    """s = -inf where the mask hides a pair of the valid rectangle [0, q_len) x [0, k_len) (k_len within the
+    tensor's width): loads as in _scale_add_bias, pairs included.
+
+    `group` > 0: the fragment's columns come in runs of `group` that each lie in one map block, with both of its
+    rows (the Hopper accumulator's layout, sm90/common.map_group), and coordinates that grow along rows and
+    columns.  Each run inside the rectangle then reads its block's summary entry first: VISIBLE costs nothing
+    more, HIDDEN is a fill of -inf, and only MIXED reads the mask's cells.  A diagonal or boundary tile is
+    MIXED as a whole, but few of its blocks are (on a causal diagonal, those the diagonal crosses).  Whether a
+    run lies in one block is checked from its first and last element, so another layout only costs the cell
+    loads.  `group` 0: the whole fragment reads its cells."""
+    mask = v.mask
+    q_last = q_len - 1
+    k_last = k_len - 1
     t_last = cute.size(mask.shape[0]) - 1
+    m_last = cute.size(v.tile_map.shape[0]) - 1
+    rows = cute.size(s_mn, mode=[0])
+    cols = cute.size(s_mn, mode=[1])
+    run = cols
+    if cutlass.const_expr(group > 0):
+        run = group
+    assert cols % run == 0 and (run % 2 == 0 or run == cols)
     paired = cutlass.Boolean(False)
-    if cutlass.const_expr(query_mode == 0 and cute.size(s_mn, mode=[1]) % 2 == 0):
+    if cutlass.const_expr(query_mode == 0 and cols % 2 == 0):
         paired = _pairs_inside(c_mn, mask, q0, k0, cutlass.min(q_len, t_last + 1), k_len)
-    if paired:
-        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1]) // 2):
-                i, j = _pair(c_mn, r, 2 * c, q0, k0, query_mode)
-                addr = (mask.iterator + cute.crd2idx((i, j), mask.layout)).toint()
-                two = cute.make_tensor(cute.make_ptr(mask.element_type, addr, cute.AddressSpace.gmem,
-                                                     assumed_align=2), cute.make_layout(2)).load()
-                s0 = s_mn[r, 2 * c]
-                s1 = s_mn[r, 2 * c + 1]
-                if two[0] == 0:
-                    s0 = -cutlass.Float32.inf
-                if two[1] == 0:
-                    s1 = -cutlass.Float32.inf
-                s_mn[r, 2 * c] = s0
-                s_mn[r, 2 * c + 1] = s1
-    else:
-        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                i, j = _pair(c_mn, r, c, q0, k0, query_mode)
-                hidden = mask[cutlass.min(cutlass.min(i, q_last), t_last), cutlass.min(j, k_last)] == 0
-                s = s_mn[r, c]
-                if hidden and i < q_len and j < k_len:
-                    s = -cutlass.Float32.inf
-                s_mn[r, c] = s
+    for g in cutlass.range_constexpr(cols // run):
+        c_lo = g * run
+        e = cutlass.Int32(MIXED)
+        if cutlass.const_expr(group > 0):
+            i0, j0 = _pair(c_mn, 0, c_lo, q0, k0, query_mode)
+            i1, j1 = _pair(c_mn, rows - 1, c_lo + run - 1, q0, k0, query_mode)
+            if (i0 // MAP_ROWS == i1 // MAP_ROWS and j0 // MAP_COLS == j1 // MAP_COLS and i1 < q_len
+                    and j1 < k_len):
+                e = cutlass.Int32(v.tile_map[cutlass.min(i0 // MAP_ROWS, m_last), j0 // MAP_COLS])
+        if e == HIDDEN:
+            for r in cutlass.range_constexpr(rows):
+                for c in cutlass.range_constexpr(c_lo, c_lo + run):
+                    s_mn[r, c] = -cutlass.Float32.inf
+        elif e != VISIBLE:
+            if paired:
+                for r in cutlass.range_constexpr(rows):
+                    for c in cutlass.range_constexpr(c_lo // 2, (c_lo + run) // 2):
+                        i, j = _pair(c_mn, r, 2 * c, q0, k0, query_mode)
+                        addr = (mask.iterator + cute.crd2idx((i, j), mask.layout)).toint()
+                        two = cute.make_tensor(cute.make_ptr(mask.element_type, addr, cute.AddressSpace.gmem,
+                                                             assumed_align=2), cute.make_layout(2)).load()
+                        s0 = s_mn[r, 2 * c]
+                        s1 = s_mn[r, 2 * c + 1]
+                        if two[0] == 0:
+                            s0 = -cutlass.Float32.inf
+                        if two[1] == 0:
+                            s1 = -cutlass.Float32.inf
+                        s_mn[r, 2 * c] = s0
+                        s_mn[r, 2 * c + 1] = s1
+            else:
+                for r in cutlass.range_constexpr(rows):
+                    for c in cutlass.range_constexpr(c_lo, c_lo + run):
+                        i, j = _pair(c_mn, r, c, q0, k0, query_mode)
+                        hidden = mask[cutlass.min(cutlass.min(i, q_last), t_last), cutlass.min(j, k_last)] == 0
+                        s = s_mn[r, c]
+                        if hidden and i < q_len and j < k_len:
+                            s = -cutlass.Float32.inf
+                        s_mn[r, c] = s
 
 
 @cute.jit
 def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32,
            q_len: cutlass.Int32, k_len: cutlass.Int32, scale: cutlass.Float32, cls: cutlass.Int32,
-           query_mode: cutlass.Constexpr, bias_mn=None, staged=None):
+           query_mode: cutlass.Constexpr, bias_mn=None, staged=None, map_group: cutlass.Constexpr = 0):
     """In place: raw scores q.k -> natural-unit scores q.k * scale + bias (+ the ALiBi term), -inf where the mask
     hides the pair.
 
@@ -392,7 +426,7 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
     would add it, bitwise.  `staged` (a bias_stage.BiasStage, its parity this tile's): the calling warpgroup's
     staged bias, which `stage_bias` filled for this tile where it fits; its cells are added as the loads would
     add them, bitwise.  Every thread of the warpgroup must call it then (it waits at the warpgroup's
-    barrier)."""
+    barrier).  `map_group`: a MIXED or HIDDEN tile reads the mask block by block (_apply_mask)."""
     # A VISIBLE tile without a bias (most tiles of a causal or padding mask) costs one multiplication per
     # score.  A HIDDEN tile (one inside a row's range of tiles) takes the mask loads of a MIXED one, which hide
     # every pair of it: a fill of -inf in a branch of its own made ptxas materialize the -inf fragment and a
@@ -453,12 +487,13 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
         _add_alibi(s_mn, c_mn, v.slope, alibi_offset(v, q_len, k_len), q0, k0, query_mode)
     if q_len > 0 and k_lim > 0:
         if cls != VISIBLE:
-            _apply_mask(s_mn, c_mn, v.mask, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
+            _apply_mask(s_mn, c_mn, v, q0, k0, q_len, k_lim, query_mode, map_group)
 
 
 @cute.jit
 def mask_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32,
-                q_len: cutlass.Int32, k_len: cutlass.Int32, cls: cutlass.Int32, query_mode: cutlass.Constexpr):
+                q_len: cutlass.Int32, k_len: cutlass.Int32, cls: cutlass.Int32, query_mode: cutlass.Constexpr,
+                map_group: cutlass.Constexpr = 0):
     """The mask kind's `scores`: raw scores q.k stay raw (the plain kernels' exp2-domain softmax and row
     statistics apply unchanged), -inf where the mask hides a pair of the valid rectangle; a VISIBLE tile
     costs nothing.  A HIDDEN tile (inside a row's range of tiles) takes the mask loads of a MIXED one, which
@@ -466,13 +501,13 @@ def mask_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.In
     copy the scores on every tile, VISIBLE ones included (an H200 ran the forward 1.3-1.45x slower than the
     plain kernel with an all-visible mask).  With ALiBi the raw scores gain -slope * |i + off - j| with the slope
     in raw units (the view's slope is the call's slope divided by the softmax scale): a subtraction and an
-    FFMA per score."""
+    FFMA per score.  `map_group`: as in `scores`."""
     k_lim = cutlass.min(k_len, v.width)
     if (v.flags & FLAG_ALIBI) != 0:
         _add_alibi(s_mn, c_mn, v.slope, alibi_offset(v, q_len, k_len), q0, k0, query_mode)
     if q_len > 0 and k_lim > 0:
         if cls != VISIBLE:
-            _apply_mask(s_mn, c_mn, v.mask, q0, k0, q_len - 1, k_lim - 1, q_len, k_lim, query_mode)
+            _apply_mask(s_mn, c_mn, v, q0, k0, q_len, k_lim, query_mode, map_group)
 
 
 @cute.jit

@@ -6,7 +6,9 @@ and a 128 x 128 tile costs the SM's eight consumer warps 2048 or more of them, m
 GEMMs take at head dim 64, where the bias forward ran at 2-3x the plain kernel's time.  Here each consumer
 warpgroup copies its part of the next step's bias tile with 16-byte `cp.async` (a warp's copy covers whole
 128-byte lines), one step ahead, into one of two buffers; when its copies have landed (each thread's wait,
-then a warpgroup barrier), each thread reads its fragment's cells from shared memory.
+then a warpgroup barrier), each thread reads its fragment's cells from shared memory.  Where two buffers do
+not fit (the dK/dV kernel at head dim 128), one does: the warpgroup then meets at its barrier once more after
+its reads, before it issues the next step's copies into the same buffer.
 
 Pad safety: a warpgroup stages its part of a tile only when each cell of it lies inside the valid rectangle
 (`fits`: also S a multiple of 8 and the tensor's start 16-byte aligned, so every copy is one aligned 16-byte
@@ -29,7 +31,7 @@ class BiasStage(NamedTuple):
     """One warpgroup's part of the staging buffers `buffers` (queries, keys, 2) of a tile: `part`, the view of
     queries [row0, row0 + rows) x keys [col0, col0 + cols) (its static shape carries rows and cols through the
     kernels' loops, where plain integers in a tuple become run-time values); buffer `parity` (alternating from
-    step to step, set by the caller per step); `barrier`, the warpgroup's named barrier (128 threads).  Made by
+    step to step, set by the caller per step; always 0 with one buffer, `buffer_count`); `barrier`, the warpgroup's named barrier (128 threads).  Made by
     `make`."""
     buffers: cute.Tensor
     part: cute.Tensor
@@ -43,19 +45,25 @@ class BiasStage(NamedTuple):
 def make(buffers: cute.Tensor, row0, rows: cutlass.Constexpr, col0, cols: cutlass.Constexpr, barrier) -> BiasStage:
     """The BiasStage of queries [row0, row0 + rows) x keys [col0, col0 + cols) of `buffers` (layout())."""
     part = cute.make_tensor(buffers.iterator + cute.crd2idx((row0, col0, 0), buffers.layout),
-                            cute.make_layout((rows, cols, 2), stride=buffers.layout.stride))
+                            cute.make_layout((rows, cols, cute.size(buffers.shape[2])),
+                                             stride=buffers.layout.stride))
     return BiasStage(buffers, part, row0, col0, barrier, 0)
 
 
-def smem_elems(queries: int, keys: int) -> int:
-    """Elements of the two buffers of a (queries x keys) tile."""
-    return 2 * queries * (keys + ROW_PAD)
+def buffer_count(stage: BiasStage) -> int:
+    """1 or 2 (static)."""
+    return cute.size(stage.part.shape[2])
 
 
-def layout(queries: int, keys: int):
-    """(query, key, buffer) of the two buffers, rows padded by ROW_PAD."""
+def smem_elems(queries: int, keys: int, buffers: int = 2) -> int:
+    """Elements of the buffers of a (queries x keys) tile."""
+    return buffers * queries * (keys + ROW_PAD)
+
+
+def layout(queries: int, keys: int, buffers: int = 2):
+    """(query, key, buffer) of the buffers, rows padded by ROW_PAD."""
     row = keys + ROW_PAD
-    return cute.make_layout((queries, keys, 2), stride=(row, 1, queries * row))
+    return cute.make_layout((queries, keys, buffers), stride=(row, 1, queries * row))
 
 
 @cute.jit

@@ -1,6 +1,6 @@
 """The bias gradient kernels' walk over the (sequence, query head) pairs one dbias tile sums (both families).
 
-A bias is [Bx, Hx, Tx, S] with Bx in {1, B} and Hx in {1, K, N}, so one dbias cell is the sum of dS over every
+A bias is [Bx, Hx, Tx, S] with Bx in {1, B} and Hx in {1, N}, so one dbias cell is the sum of dS over every
 (sequence, query head) that maps to it.  A dbias CTA owns one (block_m x block_n) tile of one (bx, hx) slice
 and walks those pairs in a fixed order (b ascending, then h ascending), which makes the sum bitwise
 deterministic without atomics.  Which pairs contribute, and where each pair's rows and keys start, is decided

@@ -1,6 +1,6 @@
 """SM80-class backward, dbias kernel: the gradient of an additive bias for the aux kernels' "bias" kind.
 
-Why a kernel of its own: the bias is [Bx, Hx, Tx, S] with Bx in {1, B} and Hx in {1, K, N}, so one dbias cell
+Why a kernel of its own: the bias is [Bx, Hx, Tx, S] with Bx in {1, B} and Hx in {1, N}, so one dbias cell
 is the sum of dS over every (sequence, query head) that maps to it.  The dQ and dK/dV kernels own query or key
 tiles of one (sequence, head); summing their dS into a shared bias would take atomics (not deterministic) or a
 [B, N, T, S] scratch.  Here one CTA owns one (block_m x block_n) tile of one (bx, hx) slice of dbias and loops

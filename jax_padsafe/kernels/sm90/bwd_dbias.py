@@ -289,7 +289,8 @@ class BwdDBiasSm90:
             cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
             warpgroup.wait_group(1)
             # Natural-unit scores, then P with the visibility rule; a HIDDEN tile inside the range gives P = 0.
-            aux_scores.scores(s_mn, cS_mn, view, m0, n0, q_len, k_len, score_mul, cls, 0, bias_mn)
+            aux_scores.scores(s_mn, cS_mn, view, m0, n0, q_len, k_len, score_mul, cls, 0, bias_mn,
+                              map_group=sc.map_group(0))
             need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
             bwd_scores.probs_exact(s_mn, cS_mn, row_max, log_sum2, m0, n0, k_len, off, left, right, need, 0)
             warpgroup.wait_group(0)

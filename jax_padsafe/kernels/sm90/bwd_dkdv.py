@@ -47,13 +47,18 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         self.pin_waits = pin_waits
         self.split_head_dim = block_n == 64
         # "bias": each consumer warpgroup stages its 64 keys x block_m queries of the next step's bias in shared
-        # memory a step ahead (common/bias_stage.py), where the two buffers fit (34 KB at 64 x 128: head dims
-        # up to 96; at 128 the kernel already takes 192 KB, and the head-dim split's tiles differ).
+        # memory a step ahead (common/bias_stage.py), in two buffers where they fit (34 KB at 64 x 128: head dims
+        # up to 96), else in one (17 KB: head dim 128, where the kernel already takes 192 KB); not with the
+        # head-dim split, whose tiles differ.
         elem = dtype.width // 8
         smem_used = elem * (2 * block_n * head_dim + 2 * num_stages * block_m * head_dim
                             + (2 * block_n * head_dim if self.separate_out else 0))
-        self.stage_bias = (self.aux == "bias" and not self.split_head_dim
-                           and smem_used + elem * bias_stage.smem_elems(block_m, block_n) + 4096 <= 227 * 1024)
+        self.bias_buffers = 0
+        if self.aux == "bias" and not self.split_head_dim:
+            for n in (1, 2):
+                if smem_used + elem * bias_stage.smem_elems(block_m, block_n, n) + 4096 <= 227 * 1024:
+                    self.bias_buffers = n
+        self.stage_bias = self.bias_buffers > 0
         # Each warpgroup's half of the head dim is whole swizzle atoms (hd192: 32-column atoms, 3 per half).
         assert not self.split_head_dim or (head_dim // 2) % 32 == 0
 
@@ -169,9 +174,9 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
             # head, k_start, k_len, k_slot, a run-time 0 for `epilogue_rows`), their barriers.
             mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
             sSlots: cute.struct.MemRange[cutlass.Int32, 2 * 8]
-            # The staged bias's two buffers (bias_stage).
+            # The staged bias's buffers (bias_stage: one or two).
             sBias: cute.struct.Align[cute.struct.MemRange[
-                dt, bias_stage.smem_elems(BM, BN) if self.stage_bias else 0], 128]
+                dt, bias_stage.smem_elems(BM, BN, self.bias_buffers) if self.stage_bias else 0], 128]
 
         group = cute.size(mQ.shape[1]) // cute.size(mK.shape[1])
         # Key tiles: dense (ceil(max_seqlen_k / BN) per sequence) or, where that launches at least twice as many
@@ -269,7 +274,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         seqs = (mCuQ, mCuK, mUsedQ, mUsedK, window_left, window_right, bottom_right)
         sBias = None
         if cutlass.const_expr(self.stage_bias):
-            sBias = storage.sBias.get_tensor(bias_stage.layout(BM, BN))
+            sBias = storage.sBias.get_tensor(bias_stage.layout(BM, BN, self.bias_buffers))
 
         if cutlass.const_expr(compact):
             # Compact tiles per kv head (tile_schedule.compact_tiles_per_head) x kv heads, claimed head by head, each

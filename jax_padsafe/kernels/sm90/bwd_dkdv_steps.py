@@ -190,10 +190,18 @@ class DKDVSteps:
                 need = bounds.tile_needs_mask(n_step, m_block, BM, BN, q_len, k_len, off, left, right)
                 cls = None
                 if cutlass.const_expr(view is not None):
-                    # Aux: the tile's mask class (its map loads run under the GEMMs; every lane of each warp takes
-                    # part, as tile_class needs).
-                    cls = aux_scores.tile_class(view, m_block, n_step, BM, BN)
+                    # Aux: the load half of the tile's mask class, issued under the GEMMs (every lane of each warp
+                    # takes part, as tile_class needs); the vote comes after the wait for S^T.
+                    cls = aux_scores.tile_class_entry(view, m_block, n_step, BM, BN)
                 warpgroup.wait_group(1)
+                if cutlass.const_expr(view is not None):
+                    # The vote reads the entry OR'ed with (a score's bits & a run-time 0), so ptxas cannot hoist it
+                    # above the wait: voting right after the load stalled each warp on the load's latency
+                    # (SASS: the VOTE.ALL pair sat before WARPGROUP.DEPBAR, the forward's fwd_aux.tile_class_entry
+                    # says what that cost there).
+                    opaque_zero = cute.size(mLSE.shape[1]) >> 30  # total query rows < 2^30
+                    cls = aux_scores.tile_class_vote(
+                        view, cls | (cute.recast_tensor(acc_S, cutlass.Int32)[0] & opaque_zero), BM, BN)
                 if cutlass.const_expr(not early_stats and view is None):
                     for x in cutlass.range_constexpr(n_cols):
                         lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
@@ -209,7 +217,7 @@ class DKDVSteps:
                 elif cutlass.const_expr(masked):
                     # Raw scores, -inf where the mask hides a pair (exp2(-inf) = 0), then the plain kernel's P^T
                     # with its score_mul (scale * log2 e).
-                    aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, cls, 1)
+                    aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, cls, 1, sc.map_group(1))
                     bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right,
                                                 score_mul, cap_mul, need, 1, False)
                 else:
@@ -217,12 +225,18 @@ class DKDVSteps:
                     # visibility rule applies after, inside probs_exact, as in the plain kernel.  ln l * log2 e
                     # and m are read only now (register pressure, see early_stats).
                     staged = None
+                    two = False
                     if cutlass.const_expr(bias_st is not None):
-                        staged = bias_st._replace(parity=par)
-                    aux_scores.scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, score_mul, cls, 1, staged=staged)
+                        two = bias_stage.buffer_count(bias_st) == 2
+                        staged = bias_st._replace(parity=par if two else 0)
+                    aux_scores.scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, score_mul, cls, 1, staged=staged,
+                                      map_group=sc.map_group(1))
                     if cutlass.const_expr(bias_st is not None):
                         if it + 1 < total:
-                            aux_scores.stage_bias(bias_st._replace(parity=1 - par),
+                            if cutlass.const_expr(not two):
+                                # One buffer: every thread of the warpgroup has read it before anyone overwrites it.
+                                cute.arch.barrier(barrier_id=bias_st.barrier, number_of_threads=128)
+                            aux_scores.stage_bias(bias_st._replace(parity=1 - par if two else 0),
                                                   bwd_aux.view(aux_tile[0], aux_tile[1], next_head), next_m * BM,
                                                   n0_step, q_len, k_len, tidx % 128)
                     for x in cutlass.range_constexpr(n_cols):
@@ -361,11 +375,13 @@ class DKDVSteps:
                     bwd_scores.probs_and_dscale(x_mn, x_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left,
                                                 right, score_mul, cap_mul, need, 1, False)
                 elif cutlass.const_expr(self.aux == "mask"):
-                    aux_scores.mask_scores(x_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, cls, 1)
+                    aux_scores.mask_scores(x_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, cls, 1,
+                                           sc.map_group(1))
                     bwd_scores.probs_and_dscale(x_mn, x_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left,
                                                 right, score_mul, cap_mul, need, 1, False)
                 else:
-                    aux_scores.scores(x_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, score_mul, cls, 1)
+                    aux_scores.scores(x_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, score_mul, cls, 1,
+                                      map_group=sc.map_group(1))
                     for x in cutlass.range_constexpr(n_cols):
                         lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
                         row_max[x] = sStat[cS_mn[0, x][1], 2, par, wg]

@@ -553,7 +553,8 @@ class BwdDQSm90(Sm90BwdBase):
                                         score_mul, cap_mul, need, 0, self.has_softcap)
         elif cutlass.const_expr(self.aux == "mask"):
             # score_mul is the plain kernels' scale * log2(e); a hidden pair's -inf gives P = exp2(-inf) = 0.
-            aux_scores.mask_scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, cls, 0)
+            aux_scores.mask_scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, cls, 0,
+                                   sc.map_group(0))
             bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
                                         score_mul, cap_mul, need, 0, False)
         else:
@@ -561,7 +562,7 @@ class BwdDQSm90(Sm90BwdBase):
             if cutlass.const_expr(stage is not None):
                 staged = stage._replace(parity=n_block % 2)
             aux_scores.scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, score_mul, cls, 0,
-                              staged=staged)
+                              staged=staged, map_group=sc.map_group(0))
             if cutlass.const_expr(stage is not None):
                 if n_block > n_min:
                     aux_scores.stage_bias(stage._replace(parity=(n_block - 1) % 2), view, m_block * BM,

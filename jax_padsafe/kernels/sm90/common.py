@@ -23,7 +23,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from ..common import tiles
+from ..common import aux_scores, tiles
 
 
 def smem_layout(dtype, rows: int, head_dim: int, stages: int = 0, atom_cols: int = 0):
@@ -93,6 +93,14 @@ def gemm(mma_first: cute.TiledMma, mma_acc: cute.TiledMma, acc: cute.Tensor, tA:
         mma = mma_first if (overwrite and k == 0) else mma_acc
         cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k], acc)
     warpgroup.commit_group()
+
+
+def map_group(query_mode: int) -> int:
+    """Columns of a wgmma accumulator fragment (masking.acc_mn_view_sm90) per block of the mask's summary, for
+    aux_scores' `map_group`: column c of a thread lies at 8 * (c // 2) + 2 * (lane % 4) + c % 2 of the tile, so
+    2 * MAP_COLS / 8 columns span one block of keys (queries as rows, query_mode 0) and 2 * MAP_ROWS / 8 one block
+    of queries (query_mode 1); a thread's rows r and r + 8 of its warp's 16 lie in one block either way."""
+    return 2 * (aux_scores.MAP_ROWS if query_mode == 1 else aux_scores.MAP_COLS) // 8
 
 
 @cute.jit

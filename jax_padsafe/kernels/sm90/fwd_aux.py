@@ -25,6 +25,7 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
 from ..common import aux_scores
+from . import common as sc
 
 
 class FwdAux(NamedTuple):
@@ -140,7 +141,7 @@ def tile_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, view, cls: cutlass.Int32, 
     if cutlass.const_expr(stage is not None):
         staged = stage._replace(parity=n_block % 2)
     aux_scores.scores(s_mn, c_mn, view, m_block * block_m, n_block * block_n, q_len, k_len, score_mul, cls, 0,
-                      staged=staged)
+                      staged=staged, map_group=sc.map_group(0))
     if cutlass.const_expr(stage is not None):
         if n_block > n_min:
             stage_tile_bias(stage, view, m_block, n_block - 1, block_m, block_n, q_len, k_len, tidx)
@@ -161,7 +162,8 @@ def tile_mask_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, view, cls: cutlass.In
                      q_len: cutlass.Int32, k_len: cutlass.Int32):
     """The "mask" kind's `tile_scores`: in place, raw q.k of tile (m_block, n_block) of class `cls` stay raw,
     -inf where the mask hides the pair (the caller then applies the visibility mask)."""
-    aux_scores.mask_scores(s_mn, c_mn, view, m_block * block_m, n_block * block_n, q_len, k_len, cls, 0)
+    aux_scores.mask_scores(s_mn, c_mn, view, m_block * block_m, n_block * block_n, q_len, k_len, cls, 0,
+                           sc.map_group(0))
 
 
 @cute.jit
