@@ -277,6 +277,25 @@ def stage_bias(stage: bias_stage.BiasStage, v: AuxView, q0: cutlass.Int32, k0: c
 
 
 @cute.jit
+def key_tile_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, n_block: cutlass.Int32,
+                    block_n: cutlass.Constexpr, q_len: cutlass.Int32, k_len: cutlass.Int32, scale: cutlass.Float32,
+                    cls: cutlass.Int32, map_group: cutlass.Constexpr, stage=None, n_min: cutlass.Int32 = None,
+                    wg_tidx: cutlass.Int32 = None):
+    """`scores` (queries as rows) of key tile n_block of a kernel that walks its key tiles downwards (the Hopper
+    forward and dQ kernels).  With `stage` (the warpgroup's bias_stage.BiasStage), the bias comes from buffer
+    n_block % 2, which `stage_bias` filled a tile earlier, and once it is read the copies of key tile
+    n_block - 1 go into the other buffer, if that tile is at least n_min."""
+    staged = None
+    if cutlass.const_expr(stage is not None):
+        staged = stage._replace(parity=n_block % 2)
+    scores(s_mn, c_mn, v, q0, n_block * block_n, q_len, k_len, scale, cls, 0, staged=staged, map_group=map_group)
+    if cutlass.const_expr(stage is not None):
+        if n_block > n_min:
+            stage_bias(stage._replace(parity=(n_block - 1) % 2), v, q0, (n_block - 1) * block_n, q_len, k_len,
+                       wg_tidx)
+
+
+@cute.jit
 def alibi_offset(v: AuxView, q_len: cutlass.Int32, k_len: cutlass.Int32) -> cutlass.Int32:
     """The ALiBi distance's query offset: k_len - q_len with FLAG_ALIBI_BOTTOM_RIGHT (the causal mask's
     alignment), else 0."""

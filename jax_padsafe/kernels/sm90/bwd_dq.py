@@ -558,15 +558,11 @@ class BwdDQSm90(Sm90BwdBase):
             bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
                                         score_mul, cap_mul, need, 0, False)
         else:
-            staged = None
+            wg_tidx = None
             if cutlass.const_expr(stage is not None):
-                staged = stage._replace(parity=n_block % 2)
-            aux_scores.scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, score_mul, cls, 0,
-                              staged=staged, map_group=sc.map_group(0))
-            if cutlass.const_expr(stage is not None):
-                if n_block > n_min:
-                    aux_scores.stage_bias(stage._replace(parity=(n_block - 1) % 2), view, m_block * BM,
-                                          (n_block - 1) * BN, q_len, k_len, tidx % 128)
+                wg_tidx = tidx % 128
+            aux_scores.key_tile_scores(s_mn, cS_mn, view, m_block * BM, n_block, BN, q_len, k_len, score_mul, cls,
+                                       sc.map_group(0), stage, n_min, wg_tidx)
             bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
                                    need, 0)
 

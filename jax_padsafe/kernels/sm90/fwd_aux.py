@@ -137,14 +137,11 @@ def tile_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, view, cls: cutlass.Int32, 
     and mask (the caller then applies the visibility mask).  With `stage` (the kernel stages the bias, a
     bias_stage.BiasStage of the calling warpgroup: `stage_tile_bias` filled it for this tile), the bias comes
     from shared memory, and the copies of the next key tile, n_block - 1, are issued if it is at least n_min."""
-    staged = None
+    wg_tidx = None
     if cutlass.const_expr(stage is not None):
-        staged = stage._replace(parity=n_block % 2)
-    aux_scores.scores(s_mn, c_mn, view, m_block * block_m, n_block * block_n, q_len, k_len, score_mul, cls, 0,
-                      staged=staged, map_group=sc.map_group(0))
-    if cutlass.const_expr(stage is not None):
-        if n_block > n_min:
-            stage_tile_bias(stage, view, m_block, n_block - 1, block_m, block_n, q_len, k_len, tidx)
+        wg_tidx = tidx % 128
+    aux_scores.key_tile_scores(s_mn, c_mn, view, m_block * block_m, n_block, block_n, q_len, k_len, score_mul, cls,
+                               sc.map_group(0), stage, n_min, wg_tidx)
 
 
 @cute.jit
