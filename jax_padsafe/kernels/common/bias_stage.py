@@ -31,8 +31,8 @@ class BiasStage(NamedTuple):
     """One warpgroup's part of the staging buffers `buffers` (queries, keys, 2) of a tile: `part`, the view of
     queries [row0, row0 + rows) x keys [col0, col0 + cols) (its static shape carries rows and cols through the
     kernels' loops, where plain integers in a tuple become run-time values); buffer `parity` (alternating from
-    step to step, set by the caller per step; always 0 with one buffer, `buffer_count`); `barrier`, the warpgroup's named barrier (128 threads).  Made by
-    `make`."""
+    step to step, set by the caller per step; always 0 with one buffer, `buffer_count`); `barrier`, the
+    warpgroup's named barrier (128 threads).  Made by `make`."""
     buffers: cute.Tensor
     part: cute.Tensor
     row0: object

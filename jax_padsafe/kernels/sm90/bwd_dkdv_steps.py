@@ -181,7 +181,7 @@ class DKDVSteps:
                 # (below): held through aux_scores.scores, lse2 and m (2 x 16 registers) made ptxas spill inside
                 # the step (208 B at hd128, sm_90a), and 28 B outside it when read after.  The mask kind reads
                 # lse2 and Delta where the plain kernel does: it holds one statistic, not two, and at hd128 ptxas
-                # spills 80 B with lse2 read early, 88 B with it read after mask_scores.
+                # spills 72 B with lse2 read early, 88 B with it read after mask_scores (sm_90a, 2026-11-28).
                 early_stats = not self.has_softcap and not exact
                 if cutlass.const_expr(early_stats):
                     for x in cutlass.range_constexpr(n_cols):
@@ -217,7 +217,8 @@ class DKDVSteps:
                 elif cutlass.const_expr(masked):
                     # Raw scores, -inf where the mask hides a pair (exp2(-inf) = 0), then the plain kernel's P^T
                     # with its score_mul (scale * log2 e).
-                    aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, cls, 1, sc.map_group(1))
+                    aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, cls, 1,
+                                           sc.map_group(1))
                     bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right,
                                                 score_mul, cap_mul, need, 1, False)
                 else:
