@@ -338,6 +338,68 @@ def _add_alibi(s_mn: cute.Tensor, c_mn: cute.Tensor, slope: cutlass.Float32, off
             s_mn[r, c] = s_mn[r, c] - slope * cute.math.absf(x)
 
 
+class AlibiFold(NamedTuple):
+    """Where a mask-kind kernel takes the query-dependent part of the ALiBi term (`mask_scores(..., fold=)`):
+    `terms[x] += k * part` for each query coordinate x of the fragment (rows with queries as rows, columns
+    with queries as columns).  The forward passes zeroed row offsets and k = 1 (the softmax adds them to the
+    row's max and its exp2 subtrahend), the backward kernels their lse2 and k = -score_mul."""
+    terms: cute.Tensor
+    k: cutlass.Float32
+
+
+@cute.jit
+def _add_alibi_folded(s_mn: cute.Tensor, c_mn: cute.Tensor, slope: cutlass.Float32, off: cutlass.Int32, q0, k0,
+                      q_span: cutlass.Constexpr, k_span: cutlass.Constexpr, query_mode: cutlass.Constexpr,
+                      fold: AlibiFold):
+    """`_add_alibi` with one FFMA or FADD per score on a tile that lies wholly on one side of every row's
+    position ([q0, q0 + q_span) x [k0, k0 + k_span), the test uniform over the tile): there |i + off - j| is
+    +-(i + off - j), a query part plus a key part.  The key part joins the scores in place and the query part
+    goes to `fold`, which the caller applies once per query (the softmax's max and subtrahend, or lse2): the
+    probabilities come out as those of the full term, up to the rounding of where the sum is formed.  A tile
+    that the diagonal crosses takes `_add_alibi`.
+
+    With queries as rows (query_mode 0) the key part is +-slope * d_c, a compile-time multiple of the slope per
+    column (an FFMA with an immediate per score), the query part -+slope * base_r per row.  With queries as
+    columns (1) the key part is -+slope * base_r, one register per row (an FADD per score), the query part
+    -+slope * d_c per column.  The parts are large only where the distance is, and the probability then
+    small: the rounding of a part of size D raw units moves P by about 2**-24 D scale P, at most ~1e-8 of
+    the row's largest probability.  Pairs outside the valid rectangle get the term too; the visibility mask
+    hides them."""
+    rows = cute.size(s_mn, mode=[0])
+    cols = cute.size(s_mn, mode=[1])
+    left = q0 + off - (k0 + k_span - 1) >= 0  # every i + off - j >= 0
+    right = q0 + q_span - 1 + off - k0 <= 0  # every i + off - j <= 0
+    if left or right:
+        sign = cutlass.Float32(1.0)
+        if right:
+            sign = cutlass.Float32(-1.0)
+        first = c_mn[0, 0][1]
+        # x = i + off - j = sign * |x|; the term -slope * |x| = -sign * slope * x.
+        a = -sign * slope
+        if cutlass.const_expr(query_mode == 0):
+            # x = base_r - d_c: the term is a * base_r - a * d_c.
+            ak = a * fold.k
+            for r in cutlass.range_constexpr(rows):
+                base = cutlass.Float32(q0 + c_mn[r, 0][0] + off - k0 - first)
+                fold.terms[r] = cute.math.fma(ak, base, fold.terms[r])
+            for c in cutlass.range_constexpr(cols):
+                d = cutlass.Float32(c_mn[0, c][1] - first)
+                for r in cutlass.range_constexpr(rows):
+                    s_mn[r, c] = cute.math.fma(-a, d, s_mn[r, c])
+        else:
+            # x = base_r + d_c: the term is a * base_r + a * d_c.
+            ak = a * fold.k
+            for c in cutlass.range_constexpr(cols):
+                d = cutlass.Float32(c_mn[0, c][1] - first)
+                fold.terms[c] = cute.math.fma(ak, d, fold.terms[c])
+            for r in cutlass.range_constexpr(rows):
+                t = a * cutlass.Float32(q0 + first + off - k0 - c_mn[r, 0][0])
+                for c in cutlass.range_constexpr(cols):
+                    s_mn[r, c] = s_mn[r, c] + t
+    else:
+        _add_alibi(s_mn, c_mn, slope, off, q0, k0, query_mode)
+
+
 @cute.jit
 def load_bias(out_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32):
     """out_mn[r, c] = the bias (float32) at this thread's fragment cell (query q0 + row, key k0 + col), clamped
@@ -512,7 +574,7 @@ def scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, 
 @cute.jit
 def mask_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.Int32, k0: cutlass.Int32,
                 q_len: cutlass.Int32, k_len: cutlass.Int32, cls: cutlass.Int32, query_mode: cutlass.Constexpr,
-                map_group: cutlass.Constexpr = 0):
+                map_group: cutlass.Constexpr = 0, fold: AlibiFold = None, spans=None):
     """The mask kind's `scores`: raw scores q.k stay raw (the plain kernels' exp2-domain softmax and row
     statistics apply unchanged), -inf where the mask hides a pair of the valid rectangle; a VISIBLE tile
     costs nothing.  A HIDDEN tile (inside a row's range of tiles) takes the mask loads of a MIXED one, which
@@ -520,10 +582,16 @@ def mask_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.In
     copy the scores on every tile, VISIBLE ones included (an H200 ran the forward 1.3-1.45x slower than the
     plain kernel with an all-visible mask).  With ALiBi the raw scores gain -slope * |i + off - j| with the slope
     in raw units (the view's slope is the call's slope divided by the softmax scale): a subtraction and an
-    FFMA per score.  `map_group`: as in `scores`."""
+    FFMA per score; with `fold` (an AlibiFold) and `spans` (the tile's (queries, keys)), one per score on the
+    tiles that lie on one side of the diagonal (`_add_alibi_folded`), the query part left in `fold`.
+    `map_group`: as in `scores`."""
     k_lim = cutlass.min(k_len, v.width)
     if (v.flags & FLAG_ALIBI) != 0:
-        _add_alibi(s_mn, c_mn, v.slope, alibi_offset(v, q_len, k_len), q0, k0, query_mode)
+        if cutlass.const_expr(fold is None):
+            _add_alibi(s_mn, c_mn, v.slope, alibi_offset(v, q_len, k_len), q0, k0, query_mode)
+        else:
+            _add_alibi_folded(s_mn, c_mn, v.slope, alibi_offset(v, q_len, k_len), q0, k0, spans[0], spans[1],
+                              query_mode, fold)
     if q_len > 0 and k_lim > 0:
         if cls != VISIBLE:
             _apply_mask(s_mn, c_mn, v, q0, k0, q_len, k_lim, query_mode, map_group)

@@ -176,17 +176,22 @@ def finalize_exact(o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor
 @cute.jit
 def online_softmax_step_alpha(
     s_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor, mul: cutlass.Float32,
-    exact: cutlass.Constexpr = False,
+    exact: cutlass.Constexpr = False, row_offset: cute.Tensor = None,
 ):
     """One online-softmax step without touching O: s becomes probabilities in place, (m, l) are
     updated, and the per-row rescale factors go to `alpha`.  Used directly by a caller whose O
-    accumulator is still being written by an in-flight GEMM (apply with rescale_rows later)."""
+    accumulator is still being written by an in-flight GEMM (apply with rescale_rows later).
+
+    `row_offset` (raw scores only): this thread's scores of row r are s + row_offset[r] (the mask kind's
+    folded ALiBi term, aux_scores.AlibiFold; it may differ between the threads of a row).  The offset joins
+    the thread's max before the quad's reduction and the exp2's subtrahend, never the scores: the step
+    then costs two more operations per row, not one per score.  An offset of 0 changes no bit."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = s_mn[r, None].load()
-        m_tile = quad_allreduce(
-            row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0),
-            lambda a, b: cute.arch.fmax(a, b),
-        )
+        m_thr = row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+        if cutlass.const_expr(row_offset is not None):
+            m_thr = m_thr + row_offset[r]
+        m_tile = quad_allreduce(m_thr, lambda a, b: cute.arch.fmax(a, b))
         m_old = row_max[r]
         m_new = cute.arch.fmax(m_old, m_tile)
         # A row with nothing visible so far keeps m = -inf; subtract 0 instead so that
@@ -197,6 +202,10 @@ def online_softmax_step_alpha(
         if cutlass.const_expr(exact):
             p = cute.math.exp2((row - m_safe) * mul, fastmath=True)
             a = cute.math.exp2((m_old - m_safe) * mul, fastmath=True)
+        elif cutlass.const_expr(row_offset is not None):
+            m_scaled = m_safe * mul
+            p = cute.math.exp2(row * mul - (m_safe - row_offset[r]) * mul, fastmath=True)
+            a = cute.math.exp2(m_old * mul - m_scaled, fastmath=True)
         else:
             m_scaled = m_safe * mul
             p = cute.math.exp2(row * mul - m_scaled, fastmath=True)

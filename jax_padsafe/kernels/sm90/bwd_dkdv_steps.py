@@ -217,8 +217,10 @@ class DKDVSteps:
                 elif cutlass.const_expr(masked):
                     # Raw scores, -inf where the mask hides a pair (exp2(-inf) = 0), then the plain kernel's P^T
                     # with its score_mul (scale * log2 e).
+                    # The step's lse2 (read from shared memory each step) takes the folded ALiBi term's query
+                    # part (aux_scores.AlibiFold).
                     aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, cls, 1,
-                                           sc.map_group(1))
+                                           sc.map_group(1), aux_scores.AlibiFold(lse2, -score_mul), (BM, BN))
                     bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right,
                                                 score_mul, cap_mul, need, 1, False)
                 else:
@@ -377,7 +379,7 @@ class DKDVSteps:
                                                 right, score_mul, cap_mul, need, 1, False)
                 elif cutlass.const_expr(self.aux == "mask"):
                     aux_scores.mask_scores(x_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, cls, 1,
-                                           sc.map_group(1))
+                                           sc.map_group(1), aux_scores.AlibiFold(lse2, -score_mul), (BM, BN))
                     bwd_scores.probs_and_dscale(x_mn, x_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left,
                                                 right, score_mul, cap_mul, need, 1, False)
                 else:

@@ -552,11 +552,14 @@ class BwdDQSm90(Sm90BwdBase):
             bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
                                         score_mul, cap_mul, need, 0, self.has_softcap)
         elif cutlass.const_expr(self.aux == "mask"):
-            # score_mul is the plain kernels' scale * log2(e); a hidden pair's -inf gives P = exp2(-inf) = 0.
+            # score_mul is the plain kernels' scale * log2(e); a hidden pair's -inf gives P = exp2(-inf) = 0.  The
+            # tile's lse2 takes the folded ALiBi term's query part (aux_scores.AlibiFold; +inf stays +inf).
+            lse2_t = cute.make_rmem_tensor(lse2.layout, cutlass.Float32)
+            lse2_t.store(lse2.load())
             aux_scores.mask_scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, cls, 0,
-                                   sc.map_group(0))
-            bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
-                                        score_mul, cap_mul, need, 0, False)
+                                   sc.map_group(0), aux_scores.AlibiFold(lse2_t, -score_mul), (BM, BN))
+            bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2_t, m_block * BM, n_block * BN, k_len, off, left,
+                                        right, score_mul, cap_mul, need, 0, False)
         else:
             wg_tidx = None
             if cutlass.const_expr(stage is not None):

@@ -487,6 +487,10 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
         acc_O.fill(0.0)
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
+        # The mask kind's folded ALiBi term per row (aux_scores.AlibiFold), zeroed per key tile.
+        offs = None
+        if cutlass.const_expr(self.aux == "mask"):
+            offs = cute.make_rmem_tensor(row_max.layout, cutlass.Float32)
         n_tiles = n_max - n_min
         if cutlass.const_expr(self.stage_bias):
             # The first key tile's bias copies, before the waits for Q and K (transform_and_mask stages the next).
@@ -502,8 +506,9 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
             s_mn = self.transform_and_mask(acc_S, cS_mn, score_mul, cap_mul, n_max - 1, m_block, q_len,
-                                           k_len, off, left, right, view, cls, opaque_zero, stage, n_min, tidx)
-            softmax.online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul, exact=self.aux_exact)
+                                           k_len, off, left, right, view, cls, opaque_zero, stage, n_min, tidx, offs)
+            softmax.online_softmax_step_alpha(s_mn, row_max, row_sum, alpha, mul, exact=self.aux_exact,
+                                              row_offset=offs)
             rP.store(acc_S.load().to(self.dtype))
             for it in cutlass.range(n_tiles - 1, unroll=1):
                 n_cur = n_max - 2 - it
@@ -524,8 +529,9 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
                 # that GEMM) and P are updated only after it completes.
                 s_mn2 = self.transform_and_mask(acc_S2, cS_mn, score_mul, cap_mul, n_cur, m_block, q_len,
                                                 k_len, off, left, right, view, cls2, opaque_zero, stage, n_min,
-                                                tidx)
-                softmax.online_softmax_step_alpha(s_mn2, row_max, row_sum, alpha, mul, exact=self.aux_exact)
+                                                tidx, offs)
+                softmax.online_softmax_step_alpha(s_mn2, row_max, row_sum, alpha, mul, exact=self.aux_exact,
+                                                  row_offset=offs)
                 if cutlass.const_expr(self.pin_pv_wait):
                     sc.wgmma_wait_after(row_sum, opaque_zero, 0)
                 warpgroup.wait_group(0)
@@ -650,11 +656,12 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
                            cap_mul: cutlass.Float32, n_block: cutlass.Int32, m_block: cutlass.Int32,
                            q_len: cutlass.Int32, k_len: cutlass.Int32, off: cutlass.Int32, left: cutlass.Int32,
                            right: cutlass.Int32, view=None, cls=None, opaque_zero=None, stage=None, n_min=None,
-                           tidx=None):
+                           tidx=None, offs=None):
         """Scores of one tile as the softmax takes them (soft-capped or raw; aux "bias": natural units with bias
         and mask; aux "mask": raw with the mask; `view` the tile's AuxView, `cls` its aux_tile_class entry, voted
         on here), -inf where a key is not visible.  `stage`: the warpgroup's staged bias (bias_stage.BiasStage,
-        where the "bias" kind stages it; the next key tile's copies are issued here, down to n_min)."""
+        where the "bias" kind stages it; the next key tile's copies are issued here, down to n_min).  `offs`
+        (aux "mask"): the rows' offsets that the softmax adds (aux_scores.AlibiFold), set here."""
         BM, BN = self.block_m, self.block_n
         if cutlass.const_expr(self.aux):
             # The vote reads the entry OR'ed with (a score's bits & opaque_zero), the entry itself at run time
@@ -672,7 +679,8 @@ class FlashFwdSm90(FwdTileSchedule, FwdProducer, fwd_aux.FwdAuxEntry):
                                 n_min, tidx)
         if cutlass.const_expr(self.aux == "mask"):
             # The mask alone on the raw scores (the softmax applies score_mul), then the visibility mask.
-            fwd_aux.tile_mask_scores(s_mn, cS_mn, view, cls, m_block, n_block, BM, BN, q_len, k_len)
+            offs.fill(0.0)
+            fwd_aux.tile_mask_scores(s_mn, cS_mn, view, cls, m_block, n_block, BM, BN, q_len, k_len, offs)
         if bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right):
             masking.apply_visibility_mask(s_mn, cS_mn, m_block * BM, n_block * BN, k_len, off, left, right)
         return s_mn

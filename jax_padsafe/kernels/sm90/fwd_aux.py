@@ -156,11 +156,13 @@ def stage_tile_bias(stage, view, m_block: cutlass.Int32, n_block: cutlass.Int32,
 @cute.jit
 def tile_mask_scores(s_mn: cute.Tensor, c_mn: cute.Tensor, view, cls: cutlass.Int32, m_block: cutlass.Int32,
                      n_block: cutlass.Int32, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr,
-                     q_len: cutlass.Int32, k_len: cutlass.Int32):
+                     q_len: cutlass.Int32, k_len: cutlass.Int32, offs: cute.Tensor):
     """The "mask" kind's `tile_scores`: in place, raw q.k of tile (m_block, n_block) of class `cls` stay raw,
-    -inf where the mask hides the pair (the caller then applies the visibility mask)."""
+    -inf where the mask hides the pair (the caller then applies the visibility mask).  On a tile wholly on one
+    side of the diagonal the query part of the ALiBi term goes to `offs` (zeroed by the caller), which the
+    softmax adds to each row's max and subtrahend (aux_scores.AlibiFold)."""
     aux_scores.mask_scores(s_mn, c_mn, view, m_block * block_m, n_block * block_n, q_len, k_len, cls, 0,
-                           sc.map_group(0))
+                           sc.map_group(0), aux_scores.AlibiFold(offs, cutlass.Float32(1.0)), (block_m, block_n))
 
 
 @cute.jit
