@@ -170,6 +170,9 @@ class DKDVSteps:
                                    tPrdS, cS_mn, lse2, delta, s_shape, self.key_tile(n_block, slot), m_block,
                                    q_len, k_len, off, left, right, score_mul, cap_mul, view, row_max)
             else:
+                # The key tile (key_tile) is read before the GEMMs are issued: read after them, the shared-memory
+                # load queued behind the GEMMs' operand reads and its first use stalled.
+                n_step = self.key_tile(n_block, slot)
                 acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                 sc.gemm(mma_s0, mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True)
                 acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
@@ -186,7 +189,6 @@ class DKDVSteps:
                 if cutlass.const_expr(early_stats):
                     for x in cutlass.range_constexpr(n_cols):
                         lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
-                n_step = self.key_tile(n_block, slot)
                 need = bounds.tile_needs_mask(n_step, m_block, BM, BN, q_len, k_len, off, left, right)
                 cls = None
                 if cutlass.const_expr(view is not None):
