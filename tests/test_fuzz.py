@@ -3,15 +3,18 @@
 The hand-written suites (test_contract, test_varlen) pin one feature per test; this file draws
 combinations nobody wrote down: odd T != S, lengths 0 / 1 / full, GQA ratios, causal in both
 alignments with windows of any side, softcap, scale, packed segment ids with padding between
-documents, bias and boolean masks (pure-JAX path), all head dims (GPU kernels). Each case is checked
-against the float64 oracle (accuracy rule), for exact zeros, and for bitwise invariance under every
-poison value (``helpers.check_problem``).
+documents, boolean masks and additive biases of every broadcast shape (with -inf cells, rows the mask
+hides whole and rows whose every cell carries a huge finite negative bias), ALiBi slopes, attention
+sinks, a value head dim of its own, all head dims (GPU kernels). Each case is checked against the
+float64 oracle (accuracy rule), for exact zeros, and for bitwise invariance under every poison value
+(``helpers.check_problem``).
 
 Cases are reproducible from their seed.  The draws for the GPU kernels (``impl="cute"``) take only
-what the kernels support (no bias or mask, head dims 64..256, bf16/fp16, segment layouts the kernels
-can express), so that ``implementation="cute"`` never falls back or raises; ``tests/gpu/test_fuzz.py``
-runs them on a GPU from fresh seeds, and :func:`test_gpu_draws_reach_the_kernels` checks here, on the
-CPU, that such draws lower to the kernels.
+what the kernels support (head dims 64..256, bf16/fp16, segment layouts the kernels can express; a
+mask, bias or ALiBi slopes on the padded layout with lengths, without softcap; a bias per query or
+per key/value head (Hx = N or 1), in q's dtype or float32), so that ``implementation="cute"`` never falls
+back or raises; ``tests/gpu/test_fuzz.py`` runs them on a GPU from fresh seeds, and
+:func:`test_gpu_draws_reach_the_kernels` checks here, on the CPU, that such draws lower to the kernels.
 """
 
 import jax
@@ -20,7 +23,7 @@ import numpy as np
 import pytest
 
 import jax_padsafe
-from tests import helpers
+from tests import helpers, oracle
 from tests.test_dispatch import _lowered, _targets
 
 CPU_SEEDS = range(12)
@@ -78,14 +81,55 @@ def draw_problem(seed, impl, max_len=None):
       p.q_ids = p.kv_ids = None
     elif masked and gpu:
       p.bottom_right = False  # bottom-right offsets come from the row lengths, not the documents
-  if not gpu and rng.random() < 0.2:
-    bias = rng.standard_normal((1, n, t, s))
-    bias[rng.random(bias.shape) < 0.1] = -np.inf
-    p.bias = bias
-  if not gpu and p.bias is None and rng.random() < 0.2:
-    p.mask = rng.random((b, 1, t, s)) < 0.8
   dtype = rng.choice([jnp.bfloat16, jnp.float16] + ([] if gpu else [jnp.float32]))
-  return p, dtype
+  # The kernels take a mask, bias or ALiBi slopes on the padded layout with lengths, without softcap.
+  aux = not gpu or (p.q_ids is None and p.softcap is None)
+  if aux and rng.random() < 0.25:
+    p.mask = _draw_mask(rng, b, n, kh, t, s, gpu)
+  bias_dtype = jnp.float32
+  if aux and rng.random() < 0.25:
+    bias_dtype = jnp.float32 if rng.random() < 0.5 else dtype
+    p.bias = oracle.round_to(_draw_bias(rng, b, n, kh, t, s, gpu), bias_dtype)
+  if aux and rng.random() < 0.2:
+    p.alibi = 2.0 ** -rng.uniform(0.5, 8.0, size=(n,) if rng.random() < 0.5 else (b, n))
+  if rng.random() < 0.2:
+    p.sinks = helpers.random_sinks(rng, n)
+  if rng.random() < 0.15:
+    p.v = rng.standard_normal((b, s, kh, int(rng.choice([64, 96, 128, 192] if gpu else [8, 24, 48]))))
+  return p, dtype, bias_dtype
+
+
+def _broadcast_shape(rng, b, n, t, s, heads):
+  """A mask / bias shape ``[1|B, heads, 1|T, S]`` (``heads``: the allowed head dims)."""
+  return (int(rng.choice([1, b])), int(rng.choice(heads)), int(rng.choice([1, t])), s)
+
+
+def _draw_mask(rng, b, n, kh, t, s, gpu):
+  """A boolean mask: random cells at a random density, or a causal band with key padding (the way Flax
+  builds them), and some rows hidden whole (valid rows that see no key)."""
+  shape = _broadcast_shape(rng, b, n, t, s, [1, n] if gpu else [1, kh, n])
+  if rng.random() < 0.5:
+    mask = rng.random(shape) < rng.choice([0.3, 0.8, 0.97])
+  else:
+    rows = np.arange(shape[2])[:, None] + int(rng.integers(-4, max(s - t, 0) + 5))
+    keys = np.arange(s)[None, :]
+    cut = rng.integers(0, s + 1, size=(shape[0], 1, 1, 1))
+    mask = np.broadcast_to((keys <= rows)[None, None] & (keys < cut), shape).copy()
+  if rng.random() < 0.3:
+    mask[..., rng.integers(0, shape[2]), :] = False
+  return mask
+
+
+def _draw_bias(rng, b, n, kh, t, s, gpu):
+  """An additive bias: normal scores, sometimes with -inf cells and rows whose every cell carries a huge
+  finite negative value (the backward must keep ``log(l)`` apart from the row max)."""
+  shape = _broadcast_shape(rng, b, n, t, s, [1, n] if gpu else [1, kh, n])
+  bias = rng.standard_normal(shape) * rng.choice([0.5, 3.0])
+  if rng.random() < 0.3:
+    bias[rng.random(shape) < 0.1] = -np.inf
+  if rng.random() < 0.3:
+    bias[..., rng.integers(0, shape[2]), :] += rng.choice([-1e30, -3e38, -1e4])
+  return bias
 
 
 def draw_packed(seed, impl, max_len=None):
@@ -106,8 +150,11 @@ def draw_packed(seed, impl, max_len=None):
     kw["window"] = (int(rng.integers(0, w)), None if rng.random() < 0.5 else int(rng.integers(0, w)))
   if rng.random() < 0.3:
     kw["softcap"] = float(rng.uniform(2.0, 50.0))
+  n = kh * int(rng.choice([1, 2]))
+  if rng.random() < 0.2:
+    kw["sinks"] = helpers.random_sinks(rng, n)
   d = helpers.build_packed(rng, caps_q, used_q, caps_k, used_k, tail_q=int(rng.integers(0, 9)),
-                        tail_k=int(rng.integers(0, 9)), n=kh * int(rng.choice([1, 2])), k=kh,
+                        tail_k=int(rng.integers(0, 9)), n=n, k=kh,
                         h=int(rng.choice([64, 128, 256] if gpu else [32, 64])), **kw)
   dtype = rng.choice([jnp.bfloat16, jnp.float16] + ([] if gpu else [jnp.float32]))
   # Half the draws leave max_seqlen_q / max_seqlen_k at their default, the packed length (all a jitted step
@@ -123,8 +170,8 @@ def _run_packed(seed, impl):
 
 
 def _run(seed, impl):
-  p, dtype = draw_problem(seed, impl)
-  helpers.check_problem(p, dtype, impl, seed=seed)
+  p, dtype, bias_dtype = draw_problem(seed, impl)
+  helpers.check_problem(p, dtype, impl, seed=seed, bias_dtype=bias_dtype)
 
 
 @pytest.mark.parametrize("seed", CPU_SEEDS)
@@ -145,13 +192,16 @@ def _reaches_kernels(fn, dtype, *arrays):
 
   args = [jax.ShapeDtypeStruct(x.shape, dtype) for x in arrays]
   targets = _targets(_lowered(jax.grad(loss, (0, 1, 2)), *args))
-  return "jax_padsafe_fwd" in targets and "jax_padsafe_bwd" in targets
+  # The plain kernels' targets or the aux ones (a mask, bias or ALiBi: "jax_padsafe_fwd_aux", ...).
+  return (any(t in ("jax_padsafe_fwd", "jax_padsafe_fwd_aux") for t in targets)
+          and any(t in ("jax_padsafe_bwd", "jax_padsafe_bwd_aux") for t in targets))
 
 
-def dense_reaches_kernels(p, dtype):
+def dense_reaches_kernels(p, dtype, bias_dtype=jnp.float32):
   """Whether a dense draw lowers (for CUDA) to the forward and backward kernels, not the pure-JAX path."""
   kw = helpers.api_kwargs(p, "cute")
-  fn = lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, **kw)  # noqa: E731
+  bias = None if p.bias is None else jnp.asarray(p.bias, bias_dtype)
+  fn = lambda q, k, v: jax_padsafe.dot_product_attention(q, k, v, bias, **kw)  # noqa: E731
   return _reaches_kernels(fn, dtype, p.q, p.k, p.v)
 
 
@@ -167,8 +217,8 @@ def test_gpu_draws_reach_the_kernels(kernels_built):
   """Every GPU case lowers (for CUDA, on the CPU) to the forward and backward custom calls under
   implementation="cute": the GPU fuzz really tests the kernels, never a fallback."""
   for seed in GPU_SEEDS:
-    p, dtype = draw_problem(seed, "cute")
-    assert dense_reaches_kernels(p, dtype), (seed, p.shape)
+    p, dtype, bias_dtype = draw_problem(seed, "cute")
+    assert dense_reaches_kernels(p, dtype, bias_dtype), (seed, p.shape)
   for seed in GPU_SEEDS[:16]:
     d, dtype, _ = draw_packed(seed, "cute")
     assert packed_reaches_kernels(d, dtype), seed

@@ -446,9 +446,10 @@ def _build(fn, static_items, arg_roles, out_roles, rule, replicated, head_shardi
   rule, factor_sizes = _specialise_rule(rule, group, mqa)
   if mqa and sums_over_heads:
     replicated = replicated + ("g",)  # the query heads are a reduction factor of dK/dV
-  # Shardy wants the special factors in the order of their first appearance in the rule.
+  # Shardy wants the special factors once each, in the order of their first appearance in the rule (dbias
+  # with one key/value head names "g" twice: a reduced head dimension and MQA's summed query heads).
   order = _factor_order(rule)
-  replicated = tuple(sorted((f for f in replicated if f in order), key=order.index))
+  replicated = tuple(sorted({f for f in replicated if f in order}, key=order.index))
   try:
     op.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                      need_replication_factors=replicated, **factor_sizes)

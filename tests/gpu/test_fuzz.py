@@ -36,11 +36,11 @@ def _replay(seed, kind, run):
 
 
 def _dense(seed, max_len=None):
-  p, dtype = test_fuzz.draw_problem(seed, "cute", max_len=max_len)
+  p, dtype, bias_dtype = test_fuzz.draw_problem(seed, "cute", max_len=max_len)
 
   def run():
-    assert test_fuzz.dense_reaches_kernels(p, dtype), f"does not lower to the kernels: {p.shape}"
-    helpers.check_problem(p, dtype, "cute", seed=seed)
+    assert test_fuzz.dense_reaches_kernels(p, dtype, bias_dtype), f"does not lower to the kernels: {p.shape}"
+    helpers.check_problem(p, dtype, "cute", seed=seed, bias_dtype=bias_dtype)
 
   _replay(seed, "dense", run)
 
