@@ -9,8 +9,15 @@ import pytest
 from jax_padsafe._backends.cute import aux
 
 
-def _direct(mask):
+def _direct(mask, q_len=None, kv_len=None):
+  """The summary counted cell by cell; with lengths, cells outside every valid rectangle of the sequences a
+  slice serves do not count (a block without a counted cell is hidden)."""
   bx, hx, tx, s = mask.shape
+  counted = np.ones((bx, tx, s), bool)
+  if q_len is not None:
+    rows = np.arange(tx)[:, None] if tx > 1 else np.zeros((1, 1), int)
+    inside = (rows[None] < q_len[:, None, None]) & (np.arange(s)[None, None] < kv_len[:, None, None])
+    counted = inside if bx > 1 else inside.any(axis=0, keepdims=True)
   mx, nx = -(-tx // aux.MAP_ROWS), -(-s // aux.MAP_COLS)
   tile_map = np.zeros((bx, hx, mx, nx), np.uint8)
   row_range = np.zeros((bx, hx, mx, 2), np.int32)
@@ -19,8 +26,10 @@ def _direct(mask):
     for h in range(hx):
       for r in range(mx):
         for c in range(nx):
-          cells = mask[b, h, r * aux.MAP_ROWS:(r + 1) * aux.MAP_ROWS, c * aux.MAP_COLS:(c + 1) * aux.MAP_COLS]
-          tile_map[b, h, r, c] = aux.VISIBLE if cells.all() else aux.MIXED if cells.any() else aux.HIDDEN
+          block = np.s_[r * aux.MAP_ROWS:(r + 1) * aux.MAP_ROWS, c * aux.MAP_COLS:(c + 1) * aux.MAP_COLS]
+          cells = mask[b, h][block][counted[b][block]]
+          tile_map[b, h, r, c] = (aux.VISIBLE if cells.size and cells.all() else aux.MIXED if cells.any()
+                                  else aux.HIDDEN)
       seen = tile_map[b, h] != aux.HIDDEN
       for r in range(mx):
         cols = np.nonzero(seen[r])[0]
@@ -46,3 +55,27 @@ def test_block_summary(shape, kind):
   got = aux.block_summary(jnp.asarray(mask))
   for name, a, e in zip(("tile_map", "row_range", "col_range"), got, _direct(np.asarray(mask))):
     np.testing.assert_array_equal(np.asarray(a), e, err_msg=name)
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 100, 70), (1, 2, 37, 129), (1, 1, 1, 33), (3, 1, 1, 40), (3, 2, 64, 48)])
+def test_block_summary_counts_valid_cells_only(shape):
+  """With the sequences' lengths, cells that every sequence a slice serves sees as padding do not count: any
+  value there (here: random cells) leaves the summary as it is with those cells all False, so poisoned mask
+  padding can neither widen a tile range nor change a tile's class."""
+  rng = np.random.default_rng(sum(shape))
+  b = 3
+  q_len = np.array([0, shape[2] // 2, shape[2] - 1])[:b] if shape[2] > 1 else np.array([0, 1, 1])
+  kv_len = np.array([shape[3], 0, shape[3] - 7])
+  mask = rng.random(shape) < 0.6
+  got = aux.block_summary(jnp.asarray(mask), jnp.asarray(q_len, jnp.int32), jnp.asarray(kv_len, jnp.int32))
+  want = _direct(mask, q_len, kv_len)
+  for name, a, e in zip(("tile_map", "row_range", "col_range"), got, want):
+    np.testing.assert_array_equal(np.asarray(a), e, err_msg=name)
+  # The same summary with every uncounted cell flipped.
+  rows = np.arange(shape[2])[:, None] if shape[2] > 1 else np.zeros((1, 1), int)
+  inside = (rows[None] < q_len[:, None, None]) & (np.arange(shape[3])[None, None] < kv_len[:, None, None])
+  inside = inside if shape[0] > 1 else inside.any(axis=0, keepdims=True)
+  flipped = np.where(inside[:, None], mask, ~mask)
+  again = aux.block_summary(jnp.asarray(flipped), jnp.asarray(q_len, jnp.int32), jnp.asarray(kv_len, jnp.int32))
+  for name, a, e in zip(("tile_map", "row_range", "col_range"), again, got):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)

@@ -11,8 +11,10 @@ mask load and select on visible tiles, so a causal + padding mask costs about wh
 lengths cost. The summary is tiny (``T/32 x S/16`` bytes per (Bx, Hx)); the block sizes divide every
 kernel tile, so one summary serves every kernel and direction.
 
-Poisoned padding in the mask (cells outside the valid rectangle) can only make a block "mixed": more
-work, the same results bitwise (``aux_scores`` explains why).
+The summary counts only the cells inside some valid rectangle its slice serves (``q_len`` x ``kv_len`` of a
+sequence; with ``Bx = 1`` of any sequence): a cell every sequence sees as padding may hold anything, and it
+must not move a tile range. The dQ kernels take their reference key (``kernels/common/dq_shift.py``) from the
+first key tile they visit, so a poisoned padding cell that widened a range would change dQ's rounding.
 """
 
 from __future__ import annotations
@@ -69,29 +71,45 @@ def unsupported_reason(problem, q, bias, mask) -> str | None:
   return None
 
 
-def block_summary(mask):
+def block_summary(mask, q_len=None, kv_len=None):
   """``(tile_map, row_range, col_range)`` of a boolean mask ``[Bx, Hx, Tx, S]`` (module docstring).
 
-  One pass over the mask; cells past the tensor's end (the last block row / column) count as neither
-  visible nor hidden."""
+  One pass over the mask. With the sequences' lengths (int32 ``[B]`` each) only cells inside a valid
+  rectangle count; without them, every cell inside the tensor. A block without a counted cell is hidden.
+  Cells past the tensor's end (the last block row / column) count as neither visible nor hidden."""
   bx, hx, tx, s = mask.shape
   mx, nx = -(-tx // MAP_ROWS), -(-s // MAP_COLS)
+  # keys[., i]: the number of leading keys of row i that some sequence the slice serves sees (row i of a
+  # mask broadcast over queries stands for every row).
+  if q_len is None:
+    keys = jnp.full((bx, tx), s, jnp.int32)
+  else:
+    rows = jnp.arange(tx, dtype=jnp.int32)[None, :]
+    seen = jnp.where(rows < (q_len[:, None] if tx > 1 else jnp.minimum(q_len[:, None], 1)), kv_len[:, None], 0)
+    keys = seen if bx > 1 else jnp.max(seen, axis=0, keepdims=True)
+    keys = jnp.minimum(keys, s).astype(jnp.int32)
 
-  # One pass: the number of visible cells per block (keys first, the contiguous axis, then rows; one
-  # reduction over a 6-D view's axes (3, 5) measured ~3x slower), against the number of the block's cells
-  # inside the tensor.  H100, a [4, 1, 4096, 4096] mask: 0.054 ms, where separate `any` and `all` passes
-  # took 0.067 ms (0.165 / 0.170 ms at 8192).
-  x = mask.astype(jnp.int32)
+  # One pass: the number of visible counted cells per block (keys first, the contiguous axis, then rows; one
+  # reduction over a 6-D view's axes (3, 5) measured ~3x slower), against the number of the block's counted
+  # cells.  H100, a [4, 1, 4096, 4096] mask: 0.054 ms, where separate `any` and `all` passes took 0.067 ms
+  # (0.165 / 0.170 ms at 8192).
+  x = mask
+  if q_len is not None:
+    x = x & (jnp.arange(s, dtype=jnp.int32)[None, None, None, :] < keys[:, None, :, None])
+  x = x.astype(jnp.int32)
   if s % MAP_COLS:
     x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, nx * MAP_COLS - s)))
   x = jnp.sum(x.reshape(bx, hx, tx, nx, MAP_COLS), axis=4)
   if tx % MAP_ROWS:
     x = jnp.pad(x, ((0, 0), (0, 0), (0, mx * MAP_ROWS - tx), (0, 0)))
   count = jnp.sum(x.reshape(bx, hx, mx, MAP_ROWS, nx), axis=3)
-  rows_in = jnp.minimum(tx - jnp.arange(mx) * MAP_ROWS, MAP_ROWS)
-  cols_in = jnp.minimum(s - jnp.arange(nx) * MAP_COLS, MAP_COLS)
+  # Counted cells per block: per row, the block column's share of the row's leading keys.
+  per_row = jnp.clip(keys[:, :, None] - MAP_COLS * jnp.arange(nx, dtype=jnp.int32), 0, MAP_COLS)
+  if tx % MAP_ROWS:
+    per_row = jnp.pad(per_row, ((0, 0), (0, mx * MAP_ROWS - tx), (0, 0)))
+  counted = jnp.sum(per_row.reshape(per_row.shape[0], mx, MAP_ROWS, nx), axis=2)[:, None]
   any_visible = count > 0
-  all_visible = count == rows_in[:, None] * cols_in[None, :]
+  all_visible = (count == counted) & any_visible
   tile_map = jnp.where(all_visible, VISIBLE, jnp.where(any_visible, MIXED, HIDDEN)).astype(jnp.uint8)
   cols = jnp.arange(nx, dtype=jnp.int32)
   rows = jnp.arange(mx, dtype=jnp.int32)[:, None]
@@ -103,13 +121,13 @@ def block_summary(mask):
   return tile_map, row_range.astype(jnp.int32), col_range.astype(jnp.int32)
 
 
-def operands(bias, mask, summary=(), alibi_slopes=None) -> AuxOperands:
+def operands(bias, mask, summary=(), alibi_slopes=None, lengths=(None, None)) -> AuxOperands:
   """The kernels' aux operands for a call with ``bias``, ``mask`` (rank 4, broadcastable) and / or ALiBi
   slopes (``[N]`` or ``[B, N]``); ``summary``: the mask's :func:`block_summary` where the forward made it
-  already."""
+  already; ``lengths``: the sequences' ``(q_len, kv_len)`` that summary counts cells by."""
   has_mask, has_bias, has_alibi = mask is not None, bias is not None, alibi_slopes is not None
   if has_mask:
-    tile_map, row_range, col_range = summary or block_summary(mask)
+    tile_map, row_range, col_range = summary or block_summary(mask, *lengths)
   else:
     mask = jnp.ones((1, 1, 1, 1), jnp.bool_)
     tile_map = jnp.full((1, 1, 1, 1), VISIBLE, jnp.uint8)

@@ -268,7 +268,9 @@ def _aux_forward(spec, q, k, v, bias, mask, sinks, alibi, problem):
   """The forward with a mask, bias and / or ALiBi slopes on the aux kernels (padded layout with lengths), the
   sinks joined in their epilogue."""
   b, t, n, _ = q.shape
-  ops = aux_ops.operands(bias, mask, alibi_slopes=_kernel_slopes(spec, alibi, bias))
+  # The lengths layout: one run per sequence from row 0, so its used rows are the lengths.
+  lengths = (problem.kernel.q_used[:, 0], problem.kernel.k_used[:, 0])
+  ops = aux_ops.operands(bias, mask, alibi_slopes=_kernel_slopes(spec, alibi, bias), lengths=lengths)
   static = tuple(sorted(dict(_problem_static_args(spec, problem), **ops.flags).items()))
   kernel_sinks = () if sinks is None else (sinks,)
 
@@ -367,7 +369,8 @@ def _aux_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, 
     return _pure_jax_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, dlse) + (None,)
   stats, summary = stats[:2], stats[2:]
   row_stats = xla.row_stats_from_kernels(o, *stats, num_kv)
-  ops = aux_ops.operands(bias, mask, summary=summary, alibi_slopes=_kernel_slopes(spec, alibi, bias))
+  ops = aux_ops.operands(bias, mask, summary=summary, alibi_slopes=_kernel_slopes(spec, alibi, bias),
+                         lengths=(problem.kernel.q_used[:, 0], problem.kernel.k_used[:, 0]))
   static = tuple(sorted(dict(_problem_static_args(spec, problem), deterministic=spec.deterministic,
                              **ops.flags).items()))
 
