@@ -115,6 +115,22 @@ def test_odd_key_counts(s):
   helpers.check_problem(p, jnp.bfloat16, "cute", seed=s, poisons=("nan", "huge"), bias_dtype=jnp.bfloat16)
 
 
+@pytest.mark.parametrize("h", [64, 128], ids=lambda h: f"hd{h}")
+def test_padding_cells_of_a_batch_shared_mask_move_no_tile_range(h):
+  """A mask shared by the batch ([1, N, T, S]) whose cells past the lengths are flipped at random (the poisoned
+  runs): its block summary counts only cells inside a valid rectangle, so no flipped cell widens a row of
+  tiles' key range.  When it counted them, the widened range changed the first key tile the dQ kernels visit,
+  whose valid rows give dQ's reference key (kernels/common/dq_shift.py), and dQ's rounding with it (found with
+  hd80 on the SM80-class family by tests/gpu/test_fuzz.py)."""
+  rng = np.random.default_rng(h + 1)
+  t = s = 200
+  p = random_problem(rng, b=2, t=t, s=s, n=2, k=1, h=h, q_len=[194, 0], kv_len=[194, 200], causal=True)
+  i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+  # Valid rows see keys below 150 only: the last key tiles hold nothing visible but padding cells.
+  p.mask = np.broadcast_to((j <= i) & (j < 150), (1, 2, t, s)).copy()
+  helpers.check_problem(p, jnp.bfloat16, "cute", seed=h, poisons=("nan", "inf", "huge"))
+
+
 @pytest.mark.parametrize("value", [-1e30, float(np.finfo(np.float32).min)], ids=["1e30", "f32_min"])
 def test_huge_finite_bias(value):
   """A finite bias however large is added, not a mask: rows whose every key carries it are a softmax over those
