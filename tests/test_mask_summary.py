@@ -9,15 +9,19 @@ import pytest
 from jax_padsafe._backends.cute import aux
 
 
+def _counted(bx, tx, s, q_len, kv_len):
+  """[Bx, Tx, S]: the cells inside a valid rectangle of a sequence the slice serves (a mask broadcast over
+  queries, Tx = 1, stands for every row)."""
+  rows = np.arange(tx)[:, None] if tx > 1 else np.zeros((1, 1), int)
+  inside = (rows[None] < q_len[:, None, None]) & (np.arange(s)[None, None] < kv_len[:, None, None])
+  return inside if bx > 1 else inside.any(axis=0, keepdims=True)
+
+
 def _direct(mask, q_len=None, kv_len=None):
   """The summary counted cell by cell; with lengths, cells outside every valid rectangle of the sequences a
   slice serves do not count (a block without a counted cell is hidden)."""
   bx, hx, tx, s = mask.shape
-  counted = np.ones((bx, tx, s), bool)
-  if q_len is not None:
-    rows = np.arange(tx)[:, None] if tx > 1 else np.zeros((1, 1), int)
-    inside = (rows[None] < q_len[:, None, None]) & (np.arange(s)[None, None] < kv_len[:, None, None])
-    counted = inside if bx > 1 else inside.any(axis=0, keepdims=True)
+  counted = np.ones((bx, tx, s), bool) if q_len is None else _counted(bx, tx, s, q_len, kv_len)
   mx, nx = -(-tx // aux.MAP_ROWS), -(-s // aux.MAP_COLS)
   tile_map = np.zeros((bx, hx, mx, nx), np.uint8)
   row_range = np.zeros((bx, hx, mx, 2), np.int32)
@@ -63,8 +67,7 @@ def test_block_summary_counts_valid_cells_only(shape):
   value there (here: random cells) leaves the summary as it is with those cells all False, so poisoned mask
   padding can neither widen a tile range nor change a tile's class."""
   rng = np.random.default_rng(sum(shape))
-  b = 3
-  q_len = np.array([0, shape[2] // 2, shape[2] - 1])[:b] if shape[2] > 1 else np.array([0, 1, 1])
+  q_len = np.array([0, shape[2] // 2, shape[2] - 1]) if shape[2] > 1 else np.array([0, 1, 1])
   kv_len = np.array([shape[3], 0, shape[3] - 7])
   mask = rng.random(shape) < 0.6
   got = aux.block_summary(jnp.asarray(mask), jnp.asarray(q_len, jnp.int32), jnp.asarray(kv_len, jnp.int32))
@@ -72,9 +75,7 @@ def test_block_summary_counts_valid_cells_only(shape):
   for name, a, e in zip(("tile_map", "row_range", "col_range"), got, want):
     np.testing.assert_array_equal(np.asarray(a), e, err_msg=name)
   # The same summary with every uncounted cell flipped.
-  rows = np.arange(shape[2])[:, None] if shape[2] > 1 else np.zeros((1, 1), int)
-  inside = (rows[None] < q_len[:, None, None]) & (np.arange(shape[3])[None, None] < kv_len[:, None, None])
-  inside = inside if shape[0] > 1 else inside.any(axis=0, keepdims=True)
+  inside = _counted(shape[0], shape[2], shape[3], q_len, kv_len)
   flipped = np.where(inside[:, None], mask, ~mask)
   again = aux.block_summary(jnp.asarray(flipped), jnp.asarray(q_len, jnp.int32), jnp.asarray(kv_len, jnp.int32))
   for name, a, e in zip(("tile_map", "row_range", "col_range"), again, got):
