@@ -264,13 +264,17 @@ def _kernel_slopes(spec, alibi, bias):
   return slopes if bias is not None else slopes / jnp.float32(spec.scale)
 
 
+def _lengths(problem):
+  """``(q_len, kv_len)`` ``[B]`` of the lengths layout (one run per sequence from row 0: its used rows), which the
+  mask's block summary counts cells by."""
+  return problem.kernel.q_used[:, 0], problem.kernel.k_used[:, 0]
+
+
 def _aux_forward(spec, q, k, v, bias, mask, sinks, alibi, problem):
   """The forward with a mask, bias and / or ALiBi slopes on the aux kernels (padded layout with lengths), the
   sinks joined in their epilogue."""
   b, t, n, _ = q.shape
-  # The lengths layout: one run per sequence from row 0, so its used rows are the lengths.
-  lengths = (problem.kernel.q_used[:, 0], problem.kernel.k_used[:, 0])
-  ops = aux_ops.operands(bias, mask, alibi_slopes=_kernel_slopes(spec, alibi, bias), lengths=lengths)
+  ops = aux_ops.operands(bias, mask, alibi_slopes=_kernel_slopes(spec, alibi, bias), lengths=_lengths(problem))
   static = tuple(sorted(dict(_problem_static_args(spec, problem), **ops.flags).items()))
   kernel_sinks = () if sinks is None else (sinks,)
 
@@ -370,7 +374,7 @@ def _aux_backward(spec, q, k, v, bias, mask, sinks, alibi, problem, o, lse, do, 
   stats, summary = stats[:2], stats[2:]
   row_stats = xla.row_stats_from_kernels(o, *stats, num_kv)
   ops = aux_ops.operands(bias, mask, summary=summary, alibi_slopes=_kernel_slopes(spec, alibi, bias),
-                         lengths=(problem.kernel.q_used[:, 0], problem.kernel.k_used[:, 0]))
+                         lengths=_lengths(problem))
   static = tuple(sorted(dict(_problem_static_args(spec, problem), deterministic=spec.deterministic,
                              **ops.flags).items()))
 
