@@ -103,6 +103,27 @@ def test_bias_over_many_key_tiles(h, with_mask):
   helpers.check_problem(p, jnp.bfloat16, "cute", seed=h, poisons=("nan", "1e30"), bias_dtype=jnp.bfloat16)
 
 
+@pytest.mark.parametrize("h", [64, 128], ids=lambda h: f"hd{h}")
+@pytest.mark.parametrize("with_mask", [False, True], ids=["bias", "bias_and_mask"])
+def test_dbias_over_several_tiles_per_cta(h, with_mask):
+  """dbias of a bias shared by the batch ([1, N, T, S]) with enough tiles (8 x 16 x 8 = 1024) that each Hopper
+  dbias CTA takes three, the last CTA one: the pipeline runs on across tiles, each tile reads its own bias and
+  stores its own dbias.  Sequence 0 fills its buffer, so most of its tiles take the interior path (no selects),
+  sequence 1's lengths end inside tiles (the general path); in sequence 0 a row whose every bias is -inf (a row
+  the forward finds empty, inside an interior tile) and rows at -1e30 (a huge finite bias)."""
+  rng = np.random.default_rng(h + 51)
+  b, n, t, s = 2, 8, 1024, 1024
+  q_len, kv_len = [1024, 700], [1024, 555]
+  p = random_problem(rng, b=b, t=t, s=s, n=n, k=2, h=h, q_len=q_len, kv_len=kv_len, causal=with_mask)
+  bias = 2.0 * rng.standard_normal((1, n, t, s))
+  bias[0, :, 5, :] = -np.inf
+  bias[0, :, 300:302, :] = -1e30
+  p.bias = np.asarray(jnp.asarray(bias, jnp.bfloat16).astype(jnp.float32))
+  if with_mask:
+    p.mask = _mask("random_per_head", rng, b, n, t, s, q_len, kv_len)
+  helpers.check_problem(p, jnp.bfloat16, "cute", seed=h, poisons=("nan", "1e30"), bias_dtype=jnp.bfloat16)
+
+
 @pytest.mark.parametrize("s", [1, 7, 127, 129, 1000])
 def test_odd_key_counts(s):
   """Any S: element loads of the mask and bias never straddle a row or the end of the tensor."""

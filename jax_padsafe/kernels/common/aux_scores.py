@@ -416,13 +416,29 @@ def load_bias(out_mn: cute.Tensor, c_mn: cute.Tensor, v: AuxView, q0: cutlass.In
 
 @cute.jit
 def _load_clamped(out_mn: cute.Tensor, c_mn: cute.Tensor, t: cute.Tensor, q0, k0):
+    """Two adjacent keys per load where the thread's fragment lies inside the tensor as aligned pairs
+    (_pairs_inside), else one clamped cell per load: the same values either way."""
     t_last = cute.size(t.shape[0]) - 1
     k_last = cute.size(t.shape[1]) - 1
-    for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
-            i = cutlass.min(q0 + c_mn[r, c][0], t_last)
-            j = cutlass.min(k0 + c_mn[r, c][1], k_last)
-            out_mn[r, c] = t[i, j].to(cutlass.Float32)
+    paired = cutlass.Boolean(False)
+    if cutlass.const_expr(cute.size(out_mn, mode=[1]) % 2 == 0):
+        paired = _pairs_inside(c_mn, t, q0, k0, t_last + 1, k_last + 1)
+    if paired:
+        width = t.element_type.width // 8
+        for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1]) // 2):
+                i, j = _pair(c_mn, r, 2 * c, q0, k0, 0)
+                addr = (t.iterator + cute.crd2idx((i, j), t.layout)).toint()
+                two = cute.make_tensor(cute.make_ptr(t.element_type, addr, cute.AddressSpace.gmem,
+                                                     assumed_align=2 * width), cute.make_layout(2)).load()
+                out_mn[r, 2 * c] = two[0].to(cutlass.Float32)
+                out_mn[r, 2 * c + 1] = two[1].to(cutlass.Float32)
+    else:
+        for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
+                i = cutlass.min(q0 + c_mn[r, c][0], t_last)
+                j = cutlass.min(k0 + c_mn[r, c][1], k_last)
+                out_mn[r, c] = t[i, j].to(cutlass.Float32)
 
 
 @cute.jit

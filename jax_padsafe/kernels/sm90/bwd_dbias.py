@@ -13,8 +13,19 @@ pair run:
   groups (both operands in shared memory); while dP runs, S becomes natural-unit scores with the mask, the
   bias and ALiBi (aux_scores.scores) and P comes from the forward's row max and ln l (bwd_scores.probs_exact);
   then dS = P (dP - Delta) by select, added to the fp32 dbias accumulator in registers.  The bias tile, the same
-  for every pair of the CTA, is read into registers once; the next active pair is found, and its row statistics
-  loaded, under the current pair's GEMMs (a pair's work is short: its latencies, not its FLOPs, set the pace).
+  for every pair of the tile, is read into registers once per tile; the next active pair is found, and its row
+  statistics loaded, under the current pair's GEMMs (a pair's work is short: its latencies, not its FLOPs, set
+  the pace).
+* A pair whose tile lies wholly inside its valid rectangle, with every cell visible (no mask cell hides one, no
+  window or causal edge crosses it) and no ALiBi term, takes a path without tests or selects
+  (`interior_probs`, `interior_dscores`): the score FFMA and P as the general path forms them, and dS added to
+  the accumulator in one FFMA; no cell there needs a select (its Q, dO, K and V rows are all valid).  The
+  general path's per-cell tests and selects took the pair loop to 749 instructions per warp at hd64, the
+  interior path 419 (H200 profile, 2026-11-29).  Which path a pair takes depends on its lengths and the mask's
+  block summary only, so poison in the padding changes no bit.
+* Several tiles per CTA (`tiles_per_cta`, strided over the grid, m-block fastest): the producer loads the next
+  tile's pairs while the consumers finish and store the current one, and the launch and pipeline fill are paid
+  once per CTA instead of once per tile (a [1, N, T, S] bias over a batch of 4 gives a tile only 4 pairs).
 
 Pad-safety under TMA (TMA zero-fills only outside the whole tensor; rows past a sequence's valid length inside
 it hold anything): Q / dO rows past q_len reach only S / dP rows whose P and dS are 0 by select (the row
@@ -34,7 +45,12 @@ from . import common as sc
 
 
 class BwdDBiasSm90:
-    """dbias for one (block_m x block_n) tile of one (bx, hx) slice of the live dbias tensor."""
+    """dbias for (block_m x block_n) tiles of the (bx, hx) slices of the live dbias tensor."""
+
+    # Tiles per CTA = clamp(total tiles // multi_tile_min_tiles, 1, max_tiles_per_cta): one CTA-wave of 132 SMs
+    # x 2 per extra tile (a host-side performance choice; the device code is the same), as in the forward.
+    multi_tile_min_tiles = 264
+    max_tiles_per_cta = 8
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int):
         assert head_dim % 16 == 0 and block_m == 128 and block_n % 16 == 0
@@ -103,16 +119,21 @@ class BwdDBiasSm90:
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
 
-        # One CTA per tile of each (bx, hx) slice of the live dbias tensor (the placeholder's Bx * Hx is 1).
+        # The tiles of every (bx, hx) slice of the live dbias tensor (the placeholder's Bx * Hx is 1), numbered
+        # m-block fastest, then key tile, then slice; CTA c takes tiles c + j * gridDim.x, j < tiles_per_cta.
         slices = cutlass.max(cute.size(mdBias.shape[0]) * cute.size(mdBias.shape[1]),
                              cute.size(mdBias32.shape[0]) * cute.size(mdBias32.shape[1]))
-        grid = (cute.ceil_div(max_seqlen_q, BM), cute.ceil_div(max_seqlen_k, BN), slices)
+        n_m = cute.ceil_div(max_seqlen_q, BM)
+        n_n = cute.ceil_div(max_seqlen_k, BN)
+        total = n_m * n_n * slices
+        tiles_per_cta = cutlass.max(cutlass.min(total // self.multi_tile_min_tiles, self.max_tiles_per_cta), 1)
+        grid = (cute.ceil_div(total, tiles_per_cta), 1, 1)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             mDelta, mCuQ, mCuK, mUsedQ, mUsedK, mMask, mBias, mBias32, mTileMap, mRowRange, mRowMax, mLogSum,
             mSlopes, mdBias, mdBias32, score_mul, window_left, window_right, bottom_right, aux_flags,
-            cute.size(mQ.shape[1]), cute.size(mK.shape[1]), sQ_layout, sK_layout, mma_s, stage_bytes,
-            SharedStorage,
+            cute.size(mQ.shape[1]), cute.size(mK.shape[1]), n_m, n_n, total, tiles_per_cta, sQ_layout, sK_layout,
+            mma_s, stage_bytes, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
                  min_blocks_per_mp=1)
 
@@ -149,6 +170,10 @@ class BwdDBiasSm90:
         aux_flags: cutlass.Int32,
         num_heads: cutlass.Int32,
         num_kv_heads: cutlass.Int32,
+        n_m: cutlass.Int32,
+        n_n: cutlass.Int32,
+        total: cutlass.Int32,
+        tiles_per_cta: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         mma_s: cute.TiledMma,
@@ -161,10 +186,9 @@ class BwdDBiasSm90:
             cpasync.prefetch_descriptor(tma_atom_dO)
             cpasync.prefetch_descriptor(tma_atom_K)
             cpasync.prefetch_descriptor(tma_atom_V)
-        m_block, n_block, slice_idx = cute.arch.block_idx()
-        args = dbias_pairs.make(mCuQ, mCuK, mUsedQ, mUsedK, mMask, mBias, mBias32, mTileMap, mRowRange, mSlopes,
-                                mdBias, mdBias32, aux_flags, window_left, window_right, bottom_right, num_heads,
-                                m_block, n_block, slice_idx)
+        pair_in = (mCuQ, mCuK, mUsedQ, mUsedK, mMask, mBias, mBias32, mTileMap, mRowRange, mSlopes, mdBias, mdBias32,
+                   aux_flags, window_left, window_right, bottom_right, num_heads)
+        sched = (n_m, n_n, total, tiles_per_cta)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -185,18 +209,43 @@ class BwdDBiasSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 tmas = (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V)
-                self.produce(tmas, sQ, sdO, sK, sV, pipe, args, num_heads // num_kv_heads)
+                self.produce(tmas, sQ, sdO, sK, sV, pipe, pair_in, sched, num_heads // num_kv_heads)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(sQ, sdO, sK, sV, pipe, args, mma_s, mRowMax, mLogSum, mDelta, mdBias, mdBias32,
+            self.consume(sQ, sdO, sK, sV, pipe, pair_in, sched, mma_s, mRowMax, mLogSum, mDelta, mdBias, mdBias32,
                          score_mul, aux_flags)
 
     @cute.jit
-    def produce(self, tmas, sQ, sdO, sK, sV, pipe, args: dbias_pairs.Pairs, group: cutlass.Int32):
-        """Producer warp: each active pair's Q, dO (query tile) and K, V (key tile) into the next stage."""
+    def tile_pairs(self, j: cutlass.Int32, pair_in, sched):
+        """(present, pairs) of the CTA's j-th tile: tile blockIdx.x + j * gridDim.x of the numbering in
+        `__call__`; `present` is False past the last tile (its pairs are then those of tile 0, unused)."""
+        n_m, n_n, total, _ = sched
+        t = cute.arch.block_idx()[0] + j * cute.arch.grid_dim()[0]
+        present = t < total
+        t = cutlass.min(t, total - 1)
+        m_block = t % n_m
+        rest = t // n_m
+        args = dbias_pairs.make(*pair_in, m_block, rest % n_n, rest // n_n)
+        return present, args
+
+    @cute.jit
+    def produce(self, tmas, sQ, sdO, sK, sV, pipe, pair_in, sched, group: cutlass.Int32):
+        """Producer warp: for each tile of the CTA, each active pair's Q, dO (query tile) and K, V (key tile) into
+        the next stage; the stages run on across tiles."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for j in cutlass.range(sched[3], unroll=1):
+            present, args = self.tile_pairs(j, pair_in, sched)
+            if present:
+                state = self.produce_tile(tmas, sQ, sdO, sK, sV, pipe, state, args, group)
+
+    @cute.jit
+    def produce_tile(self, tmas, sQ, sdO, sK, sV, pipe, state, args: dbias_pairs.Pairs, group: cutlass.Int32):
         BM, BN, HD = self.block_m, self.block_n, self.head_dim
         tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V = tmas
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        # The tile's bias into L2: the producer runs a stage or more ahead of the consumers, whose once-per-tile
+        # bias read (clamped to the tensor, not to a pair's lengths: so is the prefetch) then hits L2.
+        view = dbias_pairs.pair_view(args.b_first, args.h_first, args)
+        aux_scores.prefetch_bias_l2(view, args.m_block, args.n_block, BM, BN, (args.m_block + 1) * BM, view.width)
         p = dbias_pairs.next_active(cutlass.Int32(0), args, BM, BN)
         while p < args.n_pairs:
             _, h, q_start, _, k_start, _, _, _, _ = dbias_pairs.pair_bounds(p, args)
@@ -224,59 +273,76 @@ class BwdDBiasSm90:
             cute.copy(tma_atom_V, tVgV, tVsV[None, state.index], tma_bar_ptr=bar)
             state.advance()
             p = dbias_pairs.next_active(p + 1, args, BM, BN)
+        return state
 
     @cute.jit
-    def consume(self, sQ, sdO, sK, sV, pipe, args: dbias_pairs.Pairs, mma_s, mRowMax, mLogSum, mDelta, mdBias,
-                mdBias32, score_mul, aux_flags):
-        """Consumer warpgroups: acc_dB += dS of every active pair, then the tile's store."""
+    def consume(self, sQ, sdO, sK, sV, pipe, pair_in, sched, mma_s, mRowMax, mLogSum, mDelta, mdBias, mdBias32,
+                score_mul, aux_flags):
+        """Consumer warpgroups: per tile of the CTA, acc_dB += dS of every active pair, then the tile's store."""
         BM, BN = self.block_m, self.block_n
         tidx_all, _, _ = cute.arch.thread_idx()
         tidx = tidx_all - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        m_block, n_block = args.m_block, args.n_block
-        m0 = m_block * BM
-        n0 = n_block * BN
 
         mma_s0 = sc.make_mma(self.dtype, 2, BM // 2, BN, b_major_mn=False, a_from_regs=False)
         mma_s0.set(warpgroup.Field.ACCUMULATE, False)
         mma_s.set(warpgroup.Field.ACCUMULATE, True)
         wg_s = mma_s.get_slice(wg * 128)
         thr_s = mma_s.get_slice(tidx)
-        tSrQ = wg_s.make_fragment_A(wg_s.partition_A(sQ))
-        tSrdO = wg_s.make_fragment_A(wg_s.partition_A(sdO))
-        tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
-        tSrV = wg_s.make_fragment_B(wg_s.partition_B(sV))
+        frags = (wg_s.make_fragment_A(wg_s.partition_A(sQ)), wg_s.make_fragment_A(wg_s.partition_A(sdO)),
+                 wg_s.make_fragment_B(wg_s.partition_B(sK)), wg_s.make_fragment_B(wg_s.partition_B(sV)))
         s_shape = thr_s.partition_shape_C((BM, BN))
-        acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-        acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-        acc_dB = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-        acc_dB.fill(0.0)
+        accs = (cute.make_rmem_tensor(s_shape, cutlass.Float32), cute.make_rmem_tensor(s_shape, cutlass.Float32),
+                cute.make_rmem_tensor(s_shape, cutlass.Float32))
         cS_mn = masking.acc_mn_view_sm90(thr_s.partition_C(cute.make_identity_tensor((BM, BN))))
         n_rows = cute.size(cS_mn, mode=[0])
-        row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        log_sum2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        delta = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        s_mn = masking.acc_mn_view_sm90(acc_S)
-        dp_mn = masking.acc_mn_view_sm90(acc_dP)
-
-        # The bias tile is the same for every pair of the CTA (they all map to its slice): read once.
+        # This pair's row max, ln l * log2(e) and Delta, and the next active pair's as loaded (under the current
+        # pair's GEMMs).
+        stats = tuple(cute.make_rmem_tensor((n_rows,), cutlass.Float32) for _ in range(6))
         bias_mn = masking.acc_mn_view_sm90(cute.make_rmem_tensor(s_shape, cutlass.Float32))
-        aux_scores.load_bias(bias_mn, cS_mn, dbias_pairs.pair_view(args.b_first, args.h_first, args), m0, n0)
-        # The next pair's row statistics are loaded while the current pair is computed.
-        next_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        next_sum2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        next_delta = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        ops = (pipe, mma_s0, mma_s, frags, mRowMax, mLogSum, mDelta, cS_mn, score_mul, aux_flags)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for j in cutlass.range(sched[3], unroll=1):
+            present, args = self.tile_pairs(j, pair_in, sched)
+            if present:
+                state = self.consume_tile(ops, state, args, accs, stats, bias_mn)
+                acc_dB = accs[2]
+                m0 = args.m_block * BM
+                n0 = args.n_block * BN
+                if (aux_flags & aux_scores.FLAG_BIAS) != 0:
+                    rB = cute.make_fragment_like(acc_dB, self.dtype)
+                    rB.store(acc_dB.load().to(self.dtype))
+                    dbias_pairs.store(masking.acc_mn_view_sm90(rB), cS_mn, mdBias, args.bx, args.hx, m0, n0)
+                elif (aux_flags & aux_scores.FLAG_BIAS32) != 0:
+                    dbias_pairs.store(masking.acc_mn_view_sm90(acc_dB), cS_mn, mdBias32, args.bx, args.hx, m0, n0)
+
+    @cute.jit
+    def consume_tile(self, ops, state, args: dbias_pairs.Pairs, accs, stats, bias_mn):
+        """acc_dB (accs[2]) = the sum of dS over the tile's active pairs; returns the pipeline state."""
+        BM, BN = self.block_m, self.block_n
+        pipe, mma_s0, mma_s, frags, mRowMax, mLogSum, mDelta, cS_mn, score_mul, aux_flags = ops
+        tSrQ, tSrdO, tSrK, tSrV = frags
+        acc_S, acc_dP, acc_dB = accs
+        row_max, log_sum2, delta, next_max, next_sum2, next_delta = stats
+        m_block, n_block = args.m_block, args.n_block
+        m0 = m_block * BM
+        n0 = n_block * BN
+        s_mn = masking.acc_mn_view_sm90(acc_S)
+        dp_mn = masking.acc_mn_view_sm90(acc_dP)
+        db_mn = masking.acc_mn_view_sm90(acc_dB)
+        acc_dB.fill(0.0)
+        # The first pair's row statistics, then the bias tile, the same for every pair of the tile (they all map
+        # to its slice; read once): both in flight together, so the tile's start waits for one round trip.
         p = dbias_pairs.next_active(cutlass.Int32(0), args, BM, BN)
         if p < args.n_pairs:
             self.load_stats(p, args, mRowMax, mLogSum, mDelta, m0, cS_mn, next_max, next_sum2, next_delta)
+        aux_scores.load_bias(bias_mn, cS_mn, dbias_pairs.pair_view(args.b_first, args.h_first, args), m0, n0)
         while p < args.n_pairs:
             b, h, q_start, q_len, _, k_len, off, left, right = dbias_pairs.pair_bounds(p, args)
             view = dbias_pairs.pair_view(b, h, args)
-            row_max.store(next_max.load())
-            log_sum2.store(next_sum2.load())
-            delta.store(next_delta.load())
+            # The statistics loaded a pair ago, the empty-row rule applied here, where they have landed.
+            bwd_scores.finish_row_stats_exact(next_max, next_sum2, next_delta, row_max, log_sum2, delta)
             pipe.consumer_wait(state)
             stage = state.index
             sc.gemm(mma_s0, mma_s, acc_S, tSrQ[None, None, None, stage], tSrK[None, None, None, stage], True)
@@ -287,31 +353,59 @@ class BwdDBiasSm90:
             if q < args.n_pairs:
                 self.load_stats(q, args, mRowMax, mLogSum, mDelta, m0, cS_mn, next_max, next_sum2, next_delta)
             cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
-            warpgroup.wait_group(1)
-            # Natural-unit scores, then P with the visibility rule; a HIDDEN tile inside the range gives P = 0.
-            aux_scores.scores(s_mn, cS_mn, view, m0, n0, q_len, k_len, score_mul, cls, 0, bias_mn,
-                              map_group=sc.map_group(0))
             need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
-            bwd_scores.probs_exact(s_mn, cS_mn, row_max, log_sum2, m0, n0, k_len, off, left, right, need, 0)
+            # Uniform over the CTA: the whole tile inside the pair's valid rectangle (and the bias's columns),
+            # every cell visible, no ALiBi term.
+            interior = (m0 + BM <= q_len and n0 + BN <= cutlass.min(k_len, view.width) and not need
+                        and cls == aux_scores.VISIBLE and (aux_flags & aux_scores.FLAG_ALIBI) == 0)
+            warpgroup.wait_group(1)
+            if interior:
+                self.interior_probs(s_mn, bias_mn, row_max, log_sum2, score_mul)
+            else:
+                # Natural-unit scores, then P with the visibility rule; a HIDDEN tile inside the range gives P = 0.
+                aux_scores.scores(s_mn, cS_mn, view, m0, n0, q_len, k_len, score_mul, cls, 0, bias_mn,
+                                  map_group=sc.map_group(0))
+                bwd_scores.probs_exact(s_mn, cS_mn, row_max, log_sum2, m0, n0, k_len, off, left, right, need, 0)
             warpgroup.wait_group(0)
             # Both GEMMs have read the stage: the producer may refill it while dS is formed.
             pipe.consumer_release(state)
             state.advance()
-            # dS = P * (dP - Delta), 0 by select wherever P = 0 (no softcap in the aux kinds).
-            bwd_scores.dscores(s_mn, dp_mn, dp_mn, delta, 0, False)
-            acc_dB.store(acc_dB.load() + acc_dP.load())
+            if interior:
+                self.interior_dscores(s_mn, dp_mn, db_mn, delta)
+            else:
+                # dS = P * (dP - Delta), 0 by select wherever P = 0 (no softcap in the aux kinds).
+                bwd_scores.dscores(s_mn, dp_mn, dp_mn, delta, 0, False)
+                acc_dB.store(acc_dB.load() + acc_dP.load())
             p = q
-
-        if (aux_flags & aux_scores.FLAG_BIAS) != 0:
-            rB = cute.make_fragment_like(acc_dB, self.dtype)
-            rB.store(acc_dB.load().to(self.dtype))
-            dbias_pairs.store(masking.acc_mn_view_sm90(rB), cS_mn, mdBias, args.bx, args.hx, m0, n0)
-        elif (aux_flags & aux_scores.FLAG_BIAS32) != 0:
-            dbias_pairs.store(masking.acc_mn_view_sm90(acc_dB), cS_mn, mdBias32, args.bx, args.hx, m0, n0)
+        return state
 
     @cute.jit
-    def load_stats(self, p, args: dbias_pairs.Pairs, mRowMax, mLogSum, mDelta, m0, cS_mn, row_max, log_sum2, delta):
-        """Pair p's forward row max and ln l (log_sum2 holds ln l * log2 e) and Delta, for valid rows only."""
+    def interior_probs(self, s_mn, bias_mn, row_max, log_sum2, score_mul):
+        """P of a tile inside the valid rectangle with every cell visible: the score FFMA and
+        P = exp2((s - m) * log2(e) - ln l * log2(e)) as aux_scores.scores and bwd_scores.probs_exact form them,
+        without their tests.  A row the forward found empty (every score -inf: log_sum2 = +inf) takes m = +inf,
+        so its P is exp2(-inf) = 0 as probs_exact's select gives it."""
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            m = row_max[r]
+            if log_sum2[r] == cutlass.Float32.inf:
+                m = cutlass.Float32.inf
+            l2 = log_sum2[r]
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                s = cute.math.fma(s_mn[r, c], score_mul, bias_mn[r, c])
+                s_mn[r, c] = cute.math.exp2((s - m) * bwd_scores.LOG2_E - l2, fastmath=True)
+
+    @cute.jit
+    def interior_dscores(self, p_mn, dp_mn, db_mn, delta):
+        """db += P * (dP - Delta) without the P = 0 select: inside the valid rectangle dP is finite (its dO and V
+        rows are valid), so P = 0 gives dS = 0 by arithmetic."""
+        for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
+                db_mn[r, c] = db_mn[r, c] + p_mn[r, c] * (dp_mn[r, c] - delta[r])
+
+    @cute.jit
+    def load_stats(self, p, args: dbias_pairs.Pairs, mRowMax, mLogSum, mDelta, m0, cS_mn, raw_max, raw_log_sum,
+                   raw_delta):
+        """Pair p's forward row max, ln l and Delta as stored, for valid rows only (finished where used)."""
         _, h, q_start, q_len, _, _, _, _, _ = dbias_pairs.pair_bounds(p, args)
-        bwd_scores.load_row_stats_exact(mRowMax, mLogSum, mDelta, h, q_start, q_len, m0, cS_mn, row_max, log_sum2,
-                                        delta, 0)
+        bwd_scores.load_row_stats_exact_raw(mRowMax, mLogSum, mDelta, h, q_start, q_len, m0, cS_mn, raw_max,
+                                            raw_log_sum, raw_delta, 0)
