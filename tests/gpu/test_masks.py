@@ -106,9 +106,9 @@ def test_bias_over_many_key_tiles(h, with_mask):
 @pytest.mark.parametrize("h", [64, 128], ids=lambda h: f"hd{h}")
 @pytest.mark.parametrize("with_mask", [False, True], ids=["bias", "bias_and_mask"])
 def test_dbias_over_several_tiles_per_cta(h, with_mask):
-  """dbias of a bias shared by the batch ([1, N, T, S]) with enough tiles (8 x 16 x 8 = 1024) that each Hopper
-  dbias CTA takes three, the last CTA one: the pipeline runs on across tiles, each tile reads its own bias and
-  stores its own dbias.  Sequence 0 fills its buffer, so most of its tiles take the interior path (no selects),
+  """dbias of a bias shared by the batch ([1, N, T, S]) with enough tiles (8 x 16 x 8 = 1024 of 128 x 64) that
+  the Hopper dbias CTAs take three each, the last two CTAs two: the pipeline runs on across tiles, each tile
+  reads its own bias and stores its own dbias.  Sequence 0 fills its buffer, so most of its tiles take the interior path (no selects),
   sequence 1's lengths end inside tiles (the general path); in sequence 0 a row whose every bias is -inf (a row
   the forward finds empty, inside an interior tile) and rows at -1e30 (a huge finite bias)."""
   rng = np.random.default_rng(h + 51)
