@@ -34,6 +34,8 @@ turns into P = 0, dS = 0 by select.  No GEMM multiplies dS or P by an operand af
 zeroing in shared memory: a poisoned value never leaves the score it lands in, and the select drops it.
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -42,6 +44,15 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..common import aux_scores, bounds, bwd_scores, dbias_pairs, masking
 from . import common as sc
+
+
+class TileSchedule(NamedTuple):
+    """The CTA's tiles: blockIdx.x + j * gridDim.x for j < tiles_per_cta, of `total` numbered m-block fastest
+    (n_m per key tile), then key tile (n_n per slice), then (bx, hx) slice."""
+    n_m: cutlass.Int32
+    n_n: cutlass.Int32
+    total: cutlass.Int32
+    tiles_per_cta: cutlass.Int32
 
 
 class BwdDBiasSm90:
@@ -188,7 +199,7 @@ class BwdDBiasSm90:
             cpasync.prefetch_descriptor(tma_atom_V)
         pair_in = (mCuQ, mCuK, mUsedQ, mUsedK, mMask, mBias, mBias32, mTileMap, mRowRange, mSlopes, mdBias, mdBias32,
                    aux_flags, window_left, window_right, bottom_right, num_heads)
-        sched = (n_m, n_n, total, tiles_per_cta)
+        sched = TileSchedule(n_m, n_n, total, tiles_per_cta)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -216,10 +227,10 @@ class BwdDBiasSm90:
                          score_mul, aux_flags)
 
     @cute.jit
-    def tile_pairs(self, j: cutlass.Int32, pair_in, sched):
+    def tile_pairs(self, j: cutlass.Int32, pair_in, sched: TileSchedule):
         """(present, pairs) of the CTA's j-th tile: tile blockIdx.x + j * gridDim.x of the numbering in
         `__call__`; `present` is False past the last tile (its pairs are then those of tile 0, unused)."""
-        n_m, n_n, total, _ = sched
+        n_m, n_n, total = sched.n_m, sched.n_n, sched.total
         t = cute.arch.block_idx()[0] + j * cute.arch.grid_dim()[0]
         present = t < total
         t = cutlass.min(t, total - 1)
@@ -229,11 +240,11 @@ class BwdDBiasSm90:
         return present, args
 
     @cute.jit
-    def produce(self, tmas, sQ, sdO, sK, sV, pipe, pair_in, sched, group: cutlass.Int32):
+    def produce(self, tmas, sQ, sdO, sK, sV, pipe, pair_in, sched: TileSchedule, group: cutlass.Int32):
         """Producer warp: for each tile of the CTA, each active pair's Q, dO (query tile) and K, V (key tile) into
         the next stage; the stages run on across tiles."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for j in cutlass.range(sched[3], unroll=1):
+        for j in cutlass.range(sched.tiles_per_cta, unroll=1):
             present, args = self.tile_pairs(j, pair_in, sched)
             if present:
                 state = self.produce_tile(tmas, sQ, sdO, sK, sV, pipe, state, args, group)
@@ -276,8 +287,8 @@ class BwdDBiasSm90:
         return state
 
     @cute.jit
-    def consume(self, sQ, sdO, sK, sV, pipe, pair_in, sched, mma_s, mRowMax, mLogSum, mDelta, mdBias, mdBias32,
-                score_mul, aux_flags):
+    def consume(self, sQ, sdO, sK, sV, pipe, pair_in, sched: TileSchedule, mma_s, mRowMax, mLogSum, mDelta, mdBias,
+                mdBias32, score_mul, aux_flags):
         """Consumer warpgroups: per tile of the CTA, acc_dB += dS of every active pair, then the tile's store."""
         BM, BN = self.block_m, self.block_n
         tidx_all, _, _ = cute.arch.thread_idx()
@@ -303,7 +314,7 @@ class BwdDBiasSm90:
         ops = (pipe, mma_s0, mma_s, frags, mRowMax, mLogSum, mDelta, cS_mn, score_mul, aux_flags)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        for j in cutlass.range(sched[3], unroll=1):
+        for j in cutlass.range(sched.tiles_per_cta, unroll=1):
             present, args = self.tile_pairs(j, pair_in, sched)
             if present:
                 state = self.consume_tile(ops, state, args, accs, stats, bias_mn)
