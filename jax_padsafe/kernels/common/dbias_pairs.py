@@ -118,6 +118,20 @@ def next_active(p: cutlass.Int32, args: Pairs, block_m: cutlass.Constexpr, block
 
 
 @cute.jit
+def store_tile(acc: cute.Tensor, mn_view, c_mn: cute.Tensor, mdBias: cute.Tensor, mdBias32: cute.Tensor,
+               flags: cutlass.Int32, bx: cutlass.Int32, hx: cutlass.Int32, m0: cutlass.Int32, m1: cutlass.Int32):
+    """A tile's dbias from its float32 accumulator `acc` into the live tensor: in the input dtype (FLAG_BIAS,
+    rounded once) or in float32 (FLAG_BIAS32).  `mn_view` gives the (rows, cols) view of the accumulator's
+    layout (the family's MMA); `c_mn` the cells' tile coordinates in it; (m0, m1) the tile's first query and key."""
+    if (flags & aux_scores.FLAG_BIAS) != 0:
+        r = cute.make_fragment_like(acc, mdBias.element_type)
+        r.store(acc.load().to(mdBias.element_type))
+        store(mn_view(r), c_mn, mdBias, bx, hx, m0, m1)
+    elif (flags & aux_scores.FLAG_BIAS32) != 0:
+        store(mn_view(acc), c_mn, mdBias32, bx, hx, m0, m1)
+
+
+@cute.jit
 def store(r_mn: cute.Tensor, c_mn: cute.Tensor, mdB: cute.Tensor, bx: cutlass.Int32, hx: cutlass.Int32,
           m0: cutlass.Int32, n0: cutlass.Int32):
     """mdB[bx, hx, i, j] = r_mn[r, c] (this thread's cells as (rows, cols), already in mdB's type; c_mn their

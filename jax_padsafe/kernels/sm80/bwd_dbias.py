@@ -229,12 +229,8 @@ class BwdDBias:
 
         # Element stores (S may be odd and the tensor only element-aligned), every cell of the tile inside the
         # live tensor, to the live tensor only.
-        if (aux_flags & aux_scores.FLAG_BIAS) != 0:
-            rB = cute.make_fragment_like(acc_dB, self.dtype)
-            rB.store(acc_dB.load().to(self.dtype))
-            dbias_pairs.store(masking.acc_mn_view(rB), cS_mn, mdBias, args.bx, args.hx, m0, n0)
-        elif (aux_flags & aux_scores.FLAG_BIAS32) != 0:
-            dbias_pairs.store(masking.acc_mn_view(acc_dB), cS_mn, mdBias32, args.bx, args.hx, m0, n0)
+        dbias_pairs.store_tile(acc_dB, masking.acc_mn_view, cS_mn, mdBias, mdBias32, aux_flags, args.bx, args.hx, m0,
+                               n0)
 
     # ------------------------------------------------------------------------------------------ per pair
 

@@ -318,15 +318,8 @@ class BwdDBiasSm90:
             present, args = self.tile_pairs(j, pair_in, sched)
             if present:
                 state = self.consume_tile(ops, state, args, accs, stats, bias_mn)
-                acc_dB = accs[2]
-                m0 = args.m_block * BM
-                n0 = args.n_block * BN
-                if (aux_flags & aux_scores.FLAG_BIAS) != 0:
-                    rB = cute.make_fragment_like(acc_dB, self.dtype)
-                    rB.store(acc_dB.load().to(self.dtype))
-                    dbias_pairs.store(masking.acc_mn_view_sm90(rB), cS_mn, mdBias, args.bx, args.hx, m0, n0)
-                elif (aux_flags & aux_scores.FLAG_BIAS32) != 0:
-                    dbias_pairs.store(masking.acc_mn_view_sm90(acc_dB), cS_mn, mdBias32, args.bx, args.hx, m0, n0)
+                dbias_pairs.store_tile(accs[2], masking.acc_mn_view_sm90, cS_mn, mdBias, mdBias32, aux_flags,
+                                       args.bx, args.hx, args.m_block * BM, args.n_block * BN)
 
     @cute.jit
     def consume_tile(self, ops, state, args: dbias_pairs.Pairs, accs, stats, bias_mn):
