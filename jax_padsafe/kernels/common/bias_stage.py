@@ -21,6 +21,7 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
+from cutlass.experimental import primitives as prims
 
 # Elements after each row (one query) of a buffer: rows 16 bytes apart modulo 128, so a warp's reads of one
 # fragment column (8 rows x 16 bytes; with queries as columns 4 rows x 16 bytes) hit distinct banks.
@@ -137,7 +138,49 @@ def add(s_mn: cute.Tensor, c_mn: cute.Tensor, stage: BiasStage, scale: cutlass.F
                 s_mn[r, 2 * c] = cute.math.fma(s_mn[r, 2 * c], scale, b0)
                 s_mn[r, 2 * c + 1] = cute.math.fma(s_mn[r, 2 * c + 1], scale, b1)
     else:
-        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                b = buf[c_mn[r, c][1], c_mn[r, c][0]].to(cutlass.Float32)
-                s_mn[r, c] = cute.math.fma(s_mn[r, c], scale, b)
+        _add_keys_as_rows(s_mn, c_mn, buf, scale)
+
+
+@cute.jit
+def _add_keys_as_rows(s_mn: cute.Tensor, c_mn: cute.Tensor, buf: cute.Tensor, scale: cutlass.Float32):
+    """`add` with keys as rows (the dK/dV kernels' S^T): a thread's fragment is the Hopper wgmma accumulator's
+    (sm90/common.map_group): keys k and k + 8 of its warp's 16 as rows, queries 8 (c // 2) + 2 (lane % 4) + c % 2
+    as columns.  The buffer holds queries as rows, so the two queries of a column pair are a row apart, and each
+    cell took a 2-byte load of its own (32 per thread and step at block_m 64).  `ldmatrix .trans` reads an 8 x 8
+    block of the buffer (8 queries x 8 keys, one 16-byte row segment per query) and hands lane l the block's
+    transpose at (key l / 4, queries 2 (l % 4), + 1): exactly a column pair of the fragment.  So one
+    `ldmatrix.x4.trans` reads four of the thread's pairs (both key rows, two query blocks), an eighth of the
+    loads.  The buffer's row segments are 16-byte aligned (rows of keys + ROW_PAD elements) and its rows 16
+    bytes apart modulo 128, so the eight rows of a block hit distinct banks."""
+    rows = cute.size(s_mn, mode=[0])
+    cols = cute.size(s_mn, mode=[1])
+    assert rows == 2 and cols % 4 == 0 and buf.element_type.width == 16
+    lane = cute.arch.lane_idx()
+    # The warp's first key (its 16 keys start at a multiple of 16) and this lane's part of the addresses: lanes
+    # 8 t .. 8 t + 7 give the rows of matrix t of an x4 load; matrix t is key block t % 2, query block t // 2
+    # of the load's two.
+    key0 = (c_mn[0, 0][0] // 16) * 16 + 8 * ((lane // 8) % 2)
+    q_lane = 8 * (lane // 16) + lane % 8
+    words = cute.make_rmem_tensor((1,), cutlass.Uint32)
+    pair = cute.recast_tensor(words, buf.element_type)
+    floats = cute.make_rmem_tensor((2,), cutlass.Uint32)
+    as_f32 = cute.recast_tensor(floats, cutlass.Float32)
+    for i in cutlass.range_constexpr(cols // 4):
+        ptr = buf.iterator + cute.crd2idx((16 * i + q_lane, key0), buf.layout)
+        regs = prims.ldmatrix(ptr.llvm_ptr, 4, prims.MMALayout.COL)
+        for t in cutlass.range_constexpr(4):
+            r = t % 2
+            c = 2 * (2 * i + t // 2)
+            w = cutlass.Uint32(regs[t])
+            if cutlass.const_expr(buf.element_type == cutlass.BFloat16):
+                # bf16 -> float32 is the 16 bits shifted up (see the queries-as-rows branch).
+                floats[0] = w << 16
+                floats[1] = w & cutlass.Uint32(0xFFFF0000)
+                b0 = as_f32[0]
+                b1 = as_f32[1]
+            else:
+                words[0] = w
+                b0 = pair[0].to(cutlass.Float32)
+                b1 = pair[1].to(cutlass.Float32)
+            s_mn[r, c] = cute.math.fma(s_mn[r, c], scale, b0)
+            s_mn[r, c + 1] = cute.math.fma(s_mn[r, c + 1], scale, b1)

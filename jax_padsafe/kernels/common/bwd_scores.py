@@ -229,6 +229,37 @@ def finish_row_stats_exact(raw_max: cute.Tensor, raw_log_sum: cute.Tensor, raw_d
 
 
 @cute.jit
+def probs_exact_interior(s_mn: cute.Tensor, row_max: cute.Tensor, log_sum2: cute.Tensor,
+                         query_mode: cutlass.Constexpr):
+    """`probs_exact` for a tile that lies inside the valid rectangle with every pair visible (no mask cell,
+    window or causal edge hides one): the same P, bitwise, without its per-score tests.  A row the forward
+    found empty (log_sum2 = +inf, m = 0) had every score -inf, and these are the same scores bitwise, so
+    exp2(-inf) gives its P = 0 without probs_exact's select.  Two passes (s - m, then the exp2), so that the
+    row max and ln l need not be held together."""
+    rows = cute.size(s_mn, mode=[0])
+    cols = cute.size(s_mn, mode=[1])
+    for r in cutlass.range_constexpr(rows):
+        for c in cutlass.range_constexpr(cols):
+            x = r if cutlass.const_expr(query_mode == 0) else c
+            s_mn[r, c] = s_mn[r, c] - row_max[x]
+    for r in cutlass.range_constexpr(rows):
+        for c in cutlass.range_constexpr(cols):
+            x = r if cutlass.const_expr(query_mode == 0) else c
+            s_mn[r, c] = cute.math.exp2(s_mn[r, c] * LOG2_E - log_sum2[x], fastmath=True)
+
+
+@cute.jit
+def dscores_interior(p_mn: cute.Tensor, dp_mn: cute.Tensor, delta: cute.Tensor, query_mode: cutlass.Constexpr):
+    """`dscores` (no softcap) for a tile of `probs_exact_interior`: dp <- P * (dP - Delta) without the P = 0
+    select.  There every Q, dO, K and V row is valid, so dP is finite and P = 0 gives dS = 0 by arithmetic
+    (the sign of a zero aside, which no result tells apart after the dK GEMM's sums)."""
+    for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
+            x = r if cutlass.const_expr(query_mode == 0) else c
+            dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - delta[x])
+
+
+@cute.jit
 def probs_exact(
     s_mn: cute.Tensor,
     c_mn: cute.Tensor,

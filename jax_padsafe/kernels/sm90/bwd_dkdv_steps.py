@@ -213,6 +213,7 @@ class DKDVSteps:
                     acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                     t_mn = masking.acc_mn_view_sm90(acc_T)
                 n0_step = self.key_tile(n_block, slot) * BN
+                interior = None  # the bias kind's interior test (below)
                 if cutlass.const_expr(view is None):
                     bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right, score_mul, cap_mul,
                                         need, 1, self.has_softcap)
@@ -245,9 +246,18 @@ class DKDVSteps:
                                                   bwd_aux.view(aux_tile[0], aux_tile[1], next_head), next_m * BM,
                                                   n0_step, q_len, k_len, tidx % 128)
                     for x in cutlass.range_constexpr(n_cols):
-                        lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
                         row_max[x] = sStat[cS_mn[0, x][1], 2, par, wg]
-                    bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m0, n0_step, k_len, off, left, right, need, 1)
+                    for x in cutlass.range_constexpr(n_cols):
+                        lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
+                    # Uniform over the warpgroup: the step's tile inside the valid rectangle (and the bias's
+                    # columns), every pair visible, no ALiBi term; P^T and dS^T then skip their per-score tests.
+                    interior = (m0 + BM <= q_len and n0_step + BN <= cutlass.min(k_len, view.width) and not need
+                                and cls == aux_scores.VISIBLE and (view.flags & aux_scores.FLAG_ALIBI) == 0)
+                    if interior:
+                        bwd_scores.probs_exact_interior(s_mn, row_max, lse2, 1)
+                    else:
+                        bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m0, n0_step, k_len, off, left, right,
+                                               need, 1)
                 rP.store(acc_S.load().to(dt))
                 if cutlass.const_expr(early_stats):
                     for x in cutlass.range_constexpr(n_cols):
@@ -260,7 +270,13 @@ class DKDVSteps:
                         delta[x] = sStat[cS_mn[0, x][1], 1, par, wg]
                 # dV += P^T dO runs while dS^T is formed.
                 sc.gemm(mma_kv, mma_kv, acc_dV, tPrP, tVrdOt[None, None, None, stage], False)
-                bwd_scores.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 1, self.has_softcap)
+                if cutlass.const_expr(interior is not None):
+                    if interior:
+                        bwd_scores.dscores_interior(s_mn, masking.acc_mn_view_sm90(acc_dP), delta, 1)
+                    else:
+                        bwd_scores.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 1, False)
+                else:
+                    bwd_scores.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 1, self.has_softcap)
                 rdS.store(acc_dP.load().to(dt))
                 sc.gemm(mma_kv, mma_kv, acc_dK, tPrdS, tKrQt[None, None, None, stage], False)
             warpgroup.wait_group(0)
