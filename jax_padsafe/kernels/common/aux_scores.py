@@ -155,6 +155,14 @@ def tile_class_vote(v: AuxView, e: cutlass.Int32, block_m: cutlass.Constexpr,
 
 
 @cute.jit
+def tile_plain(v: AuxView, cls: cutlass.Int32, k_end: cutlass.Int32) -> cutlass.Boolean:
+    """Whether the aux inputs leave a tile's scores as they are apart from the bias: its class is VISIBLE, no
+    ALiBi term, and its keys end (k_end) within the tensors' width.  With bounds.tile_interior, the backward's
+    interior path."""
+    return cls == VISIBLE and (v.flags & FLAG_ALIBI) == 0 and k_end <= v.width
+
+
+@cute.jit
 def key_tiles(v: AuxView, m_block: cutlass.Int32, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr,
               n_min: cutlass.Int32, n_max: cutlass.Int32):
     """[n_min, n_max) narrowed to the key tiles where the mask shows query tile m_block a visible cell (no mask:

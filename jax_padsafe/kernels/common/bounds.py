@@ -124,6 +124,15 @@ def tile_needs_mask(
 
 
 @cute.jit
+def tile_interior(m_block: cutlass.Int32, block_m: cutlass.Constexpr, q_len: cutlass.Int32,
+                  need_mask: cutlass.Boolean):
+    """Whether a tile with `tile_needs_mask` False also has every row valid: then every pair of it is visible
+    and inside the valid rectangle, its Q, dO, K and V rows all hold valid data, and the backward forms P and
+    dS without per-score selects (bwd_scores.probs_interior, dscores_interior)."""
+    return not need_mask and m_block * block_m + block_m <= q_len
+
+
+@cute.jit
 def m_block_range(
     n_block: cutlass.Int32,
     block_m: cutlass.Constexpr,

@@ -102,6 +102,17 @@ def probs_and_dscale(
             s_mn[r, c] = p
 
 
+@cute.jit
+def probs_interior(s_mn: cute.Tensor, lse2: cute.Tensor, score_mul: cutlass.Float32, query_mode: cutlass.Constexpr):
+    """`probs_and_dscale` without softcap for a tile that lies inside the valid rectangle with every pair
+    visible: the same P, bitwise, without its selects.  Every row there is valid and sees the tile's keys, so
+    its lse2 is finite, and every score is finite (its Q and K rows are valid)."""
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            x = r if cutlass.const_expr(query_mode == 0) else c
+            s_mn[r, c] = cute.math.exp2(s_mn[r, c] * score_mul - lse2[x], fastmath=True)
+
+
 def _tree_sum(values: list):
     """The sum of a trace-time list of Float32 values, pairwise."""
     while len(values) > 1:
@@ -249,14 +260,24 @@ def probs_exact_interior(s_mn: cute.Tensor, row_max: cute.Tensor, log_sum2: cute
 
 
 @cute.jit
-def dscores_interior(p_mn: cute.Tensor, dp_mn: cute.Tensor, delta: cute.Tensor, query_mode: cutlass.Constexpr):
+def dscores_interior(p_mn: cute.Tensor, dp_mn: cute.Tensor, delta: cute.Tensor, query_mode: cutlass.Constexpr,
+                     sums=None):
     """`dscores` (no softcap) for a tile of `probs_exact_interior`: dp <- P * (dP - Delta) without the P = 0
     select.  There every Q, dO, K and V row is valid, so dP is finite and P = 0 gives dS = 0 by arithmetic
-    (the sign of a zero aside, which no result tells apart after the dK GEMM's sums)."""
+    (the sign of a zero aside).  `sums`: as in `dscores`."""
     for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
+        terms = ([], [])  # this row's dS and P, summed as a tree
         for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
             x = r if cutlass.const_expr(query_mode == 0) else c
-            dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - delta[x])
+            p = p_mn[r, c]
+            ds = p * (dp_mn[r, c] - delta[x])
+            dp_mn[r, c] = ds
+            if cutlass.const_expr(sums is not None):
+                terms[0].append(ds)
+                terms[1].append(p)
+        if cutlass.const_expr(sums is not None):
+            for k in cutlass.range_constexpr(2):
+                sums[k][r] = sums[k][r] + _tree_sum(terms[k])
 
 
 @cute.jit

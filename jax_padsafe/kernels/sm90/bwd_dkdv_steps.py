@@ -213,19 +213,36 @@ class DKDVSteps:
                     acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                     t_mn = masking.acc_mn_view_sm90(acc_T)
                 n0_step = self.key_tile(n_block, slot) * BN
-                interior = None  # the bias kind's interior test (below)
+                # The interior path (no softcap): the step's tile inside the valid rectangle with every pair
+                # visible (and, with aux inputs, VISIBLE, no ALiBi term): P^T and dS^T without per-score selects.
+                # Uniform over the warpgroup.
+                interior = None
+                if cutlass.const_expr(not self.has_softcap):
+                    interior = bounds.tile_interior(m_block, BM, q_len, need)
+                    if cutlass.const_expr(view is not None):
+                        interior = interior and aux_scores.tile_plain(view, cls, n0_step + BN)
                 if cutlass.const_expr(view is None):
-                    bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right, score_mul, cap_mul,
-                                        need, 1, self.has_softcap)
+                    if cutlass.const_expr(interior is not None):
+                        if interior:
+                            bwd_scores.probs_interior(s_mn, lse2, score_mul, 1)
+                        else:
+                            bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left,
+                                                        right, score_mul, cap_mul, need, 1, False)
+                    else:
+                        bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right,
+                                                    score_mul, cap_mul, need, 1, True)
                 elif cutlass.const_expr(masked):
                     # Raw scores, -inf where the mask hides a pair (exp2(-inf) = 0), then the plain kernel's P^T
-                    # with its score_mul (scale * log2 e).
-                    # The step's lse2 (read from shared memory each step) takes the folded ALiBi term's query
-                    # part (aux_scores.AlibiFold).
-                    aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, cls, 1,
-                                           sc.map_group(1), aux_scores.AlibiFold(lse2, -score_mul), (BM, BN))
-                    bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right,
-                                                score_mul, cap_mul, need, 1, False)
+                    # with its score_mul (scale * log2 e).  The step's lse2 (read from shared memory each step)
+                    # takes the folded ALiBi term's query part (aux_scores.AlibiFold).  An interior tile is
+                    # VISIBLE without ALiBi: nothing for mask_scores to do.
+                    if interior:
+                        bwd_scores.probs_interior(s_mn, lse2, score_mul, 1)
+                    else:
+                        aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, cls, 1,
+                                               sc.map_group(1), aux_scores.AlibiFold(lse2, -score_mul), (BM, BN))
+                        bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right,
+                                                    score_mul, cap_mul, need, 1, False)
                 else:
                     # Natural-unit scores with the mask (-inf) and the bias, then P^T from m and ln l; the
                     # visibility rule applies after, inside probs_exact, as in the plain kernel.  ln l * log2 e
@@ -249,10 +266,6 @@ class DKDVSteps:
                         row_max[x] = sStat[cS_mn[0, x][1], 2, par, wg]
                     for x in cutlass.range_constexpr(n_cols):
                         lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
-                    # Uniform over the warpgroup: the step's tile inside the valid rectangle (and the bias's
-                    # columns), every pair visible, no ALiBi term; P^T and dS^T then skip their per-score tests.
-                    interior = (m0 + BM <= q_len and n0_step + BN <= cutlass.min(k_len, view.width) and not need
-                                and cls == aux_scores.VISIBLE and (view.flags & aux_scores.FLAG_ALIBI) == 0)
                     if interior:
                         bwd_scores.probs_exact_interior(s_mn, row_max, lse2, 1)
                     else:

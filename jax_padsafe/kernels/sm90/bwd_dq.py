@@ -483,12 +483,12 @@ class BwdDQSm90(Sm90BwdBase):
                 # The tile's mask class; its map loads run under the GEMMs (every lane of each warp: it votes).
                 cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
             warpgroup.wait_group(1)
-            self.dq_probs(acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right,
-                          score_mul, cap_mul, view, cls, row_max, stage, n_min, tidx)
+            interior = self.dq_probs(acc_S, acc_T, cS_mn, lse2, m_block, n_block, q_len, k_len, off, left, right,
+                                     score_mul, cap_mul, view, cls, row_max, stage, n_min, tidx)
             if cutlass.const_expr(self.pin_waits):
                 sc.wgmma_wait_after(acc_S, opaque_zero, 0)
             warpgroup.wait_group(0)
-            self.dq_dscores(acc_S, acc_dP, acc_T, delta, rdS, sums)
+            self.dq_dscores(acc_S, acc_dP, acc_T, delta, rdS, sums, interior)
             sc.gemm(mma_q, mma_q, acc_dQ, tQrdS, tQrKt[None, None, None, state.index], False)
             warpgroup.wait_group(0)
             pipe_kv.consumer_release(state)
@@ -541,43 +541,73 @@ class BwdDQSm90(Sm90BwdBase):
         (probs_exact); aux "mask" (lse2 as in the plain kernel): raw scores with -inf where the mask hides a pair
         (aux_scores.mask_scores), then the plain kernel's P.  The visibility rule applies after, as in the
         plain kernel.  `stage`: the warpgroup's staged bias (bias_stage.BiasStage) holding this tile's; the copies
-        of key tile n_block - 1 are issued after its read, if that tile is at least n_min."""
+        of key tile n_block - 1 are issued after its read, if that tile is at least n_min.  Returns whether the
+        tile took the interior path (for dq_dscores; None with softcap, which has none)."""
         BM, BN = self.block_m, self.block_n
         s_mn = masking.acc_mn_view_sm90(acc_S)
         t_mn = s_mn
         if cutlass.const_expr(self.has_softcap):
             t_mn = masking.acc_mn_view_sm90(acc_T)
         need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
+        # The interior path (no softcap): the tile inside the valid rectangle with every pair visible (and, with
+        # aux inputs, VISIBLE, no ALiBi term): P and dS without per-score selects.  Uniform over the CTA.
+        interior = None
+        if cutlass.const_expr(not self.has_softcap):
+            interior = bounds.tile_interior(m_block, BM, q_len, need)
+            if cutlass.const_expr(view is not None):
+                interior = interior and aux_scores.tile_plain(view, cls, n_block * BN + BN)
         if cutlass.const_expr(view is None):
-            bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
-                                        score_mul, cap_mul, need, 0, self.has_softcap)
+            if cutlass.const_expr(interior is not None):
+                if interior:
+                    bwd_scores.probs_interior(s_mn, lse2, score_mul, 0)
+                else:
+                    bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off,
+                                                left, right, score_mul, cap_mul, need, 0, False)
+            else:
+                bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m_block * BM, n_block * BN, k_len, off, left,
+                                            right, score_mul, cap_mul, need, 0, True)
         elif cutlass.const_expr(self.aux == "mask"):
             # score_mul is the plain kernels' scale * log2(e); a hidden pair's -inf gives P = exp2(-inf) = 0.  The
-            # tile's lse2 takes the folded ALiBi term's query part (aux_scores.AlibiFold; +inf stays +inf).
-            lse2_t = cute.make_rmem_tensor(lse2.layout, cutlass.Float32)
-            lse2_t.store(lse2.load())
-            aux_scores.mask_scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, cls, 0,
-                                   sc.map_group(0), aux_scores.AlibiFold(lse2_t, -score_mul), (BM, BN))
-            bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2_t, m_block * BM, n_block * BN, k_len, off, left,
-                                        right, score_mul, cap_mul, need, 0, False)
+            # tile's lse2 takes the folded ALiBi term's query part (aux_scores.AlibiFold; +inf stays +inf).  An
+            # interior tile is VISIBLE without ALiBi: nothing for mask_scores to do.
+            if interior:
+                bwd_scores.probs_interior(s_mn, lse2, score_mul, 0)
+            else:
+                lse2_t = cute.make_rmem_tensor(lse2.layout, cutlass.Float32)
+                lse2_t.store(lse2.load())
+                aux_scores.mask_scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, cls, 0,
+                                       sc.map_group(0), aux_scores.AlibiFold(lse2_t, -score_mul), (BM, BN))
+                bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2_t, m_block * BM, n_block * BN, k_len, off, left,
+                                            right, score_mul, cap_mul, need, 0, False)
         else:
             wg_tidx = None
             if cutlass.const_expr(stage is not None):
                 wg_tidx = tidx % 128
             aux_scores.key_tile_scores(s_mn, cS_mn, view, m_block * BM, n_block, BN, q_len, k_len, score_mul, cls,
                                        sc.map_group(0), stage, n_min, wg_tidx)
-            bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m_block * BM, n_block * BN, k_len, off, left, right,
-                                   need, 0)
+            if interior:
+                bwd_scores.probs_exact_interior(s_mn, row_max, lse2, 0)
+            else:
+                bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m_block * BM, n_block * BN, k_len, off, left,
+                                       right, need, 0)
+        return interior
 
     @cute.jit
-    def dq_dscores(self, acc_S, acc_dP, acc_T, delta, rdS, sums):
+    def dq_dscores(self, acc_S, acc_dP, acc_T, delta, rdS, sums, interior=None):
         """dS = P (dP - Delta) [(1 - tanh^2)] by select (0 where P = 0), into rdS in the input dtype; the row
-        sums of dq_shift added to `sums`."""
+        sums of dq_shift added to `sums`.  `interior` (from dq_probs; None with softcap): without the select."""
         s_mn = masking.acc_mn_view_sm90(acc_S)
         t_mn = s_mn
         if cutlass.const_expr(self.has_softcap):
             t_mn = masking.acc_mn_view_sm90(acc_T)
-        bwd_scores.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 0, self.has_softcap, sums)
+        dp_mn = masking.acc_mn_view_sm90(acc_dP)
+        if cutlass.const_expr(interior is None):
+            bwd_scores.dscores(s_mn, dp_mn, t_mn, delta, 0, self.has_softcap, sums)
+        else:
+            if interior:
+                bwd_scores.dscores_interior(s_mn, dp_mn, delta, 0, sums)
+            else:
+                bwd_scores.dscores(s_mn, dp_mn, t_mn, delta, 0, False, sums)
         rdS.store(acc_dP.load().to(self.dtype))
 
 
