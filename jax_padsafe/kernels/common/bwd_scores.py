@@ -7,6 +7,8 @@
 * `dscores`: dS = P * (dP - Delta) [* (1 - tanh^2)], 0 by select wherever P = 0.
 * `load_row_stats_exact` / `probs_exact`: the same for the aux kernels (masks and biases as tensors),
   from the forward's separate row max m and ln l, with s - m formed first (see softmax.py).
+* `probs_interior`, `probs_exact_interior`, `dscores_interior`: the same values without the selects, for a
+  tile that lies inside the valid rectangle with every pair visible (bounds.tile_interior).
 * The dQ kernels' row sums of P and dS (for dQ against a reference key and rowsum(P * dP)) are dq_shift's.
 """
 
