@@ -84,14 +84,17 @@ def test_biases(dtype, h, with_mask, bias_kind):
   helpers.check_problem(p, cases.DTYPES[dtype], "cute", seed=h, poisons=("nan", "1e30"), bias_dtype=bias_dtype)
 
 
-@pytest.mark.parametrize("h", [64, 96, 128], ids=lambda h: f"hd{h}")
+@pytest.mark.parametrize("dtype,h", [("bf16", 64), ("bf16", 96), ("bf16", 128), ("fp16", 64), ("fp16", 128)],
+                         ids=["bf16-hd64", "bf16-hd96", "bf16-hd128", "fp16-hd64", "fp16-hd128"])
 @pytest.mark.parametrize("with_mask", [False, True], ids=["bias", "bias_and_mask"])
-def test_bias_over_many_key_tiles(h, with_mask):
+def test_bias_over_many_key_tiles(dtype, h, with_mask):
   """A bias in the input dtype over many key tiles, where the Hopper forward (head dims up to 96) and dQ kernels
   stage each tile's bias in shared memory a key tile ahead: warpgroups whose rows end inside the tile or at its
   edge, key tiles partly past the length (read from global memory) before and after inner ones (staged), a
   sequence of exactly one query tile, and poison in the padding of the bias.  S = 906 (rows not 16-byte
-  aligned) reads every tile from global memory."""
+  aligned) reads every tile from global memory.  Both dtypes: the Hopper dK/dV kernel reads a staged bf16
+  bias with ldmatrix and a float16 one cell by cell, and tiles inside the valid rectangle take the backward's
+  interior path."""
   rng = np.random.default_rng(h + 31)
   b, t, s = 3, 520, 906 if with_mask else 904
   q_len, kv_len = [520, 333, 128], [904, 517, 256]
@@ -99,8 +102,9 @@ def test_bias_over_many_key_tiles(h, with_mask):
   p.bias = _bias("full", rng, b, 4, t, s)
   if with_mask:
     p.mask = _mask("random_per_head", rng, b, 4, t, s, q_len, kv_len)
-  p.bias = np.asarray(jnp.asarray(p.bias, jnp.bfloat16).astype(jnp.float32))
-  helpers.check_problem(p, jnp.bfloat16, "cute", seed=h, poisons=("nan", "1e30"), bias_dtype=jnp.bfloat16)
+  dt = cases.DTYPES[dtype]
+  p.bias = np.asarray(jnp.asarray(p.bias, dt).astype(jnp.float32))
+  helpers.check_problem(p, dt, "cute", seed=h, poisons=("nan", "1e30"), bias_dtype=dt)
 
 
 @pytest.mark.parametrize("h", [64, 128], ids=lambda h: f"hd{h}")
