@@ -248,6 +248,17 @@ def test_alibi_bias_mask_sinks_several_tiles(impl, dtype, causal):
   contract(p, dtype, impl)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_alibi_bias_interior_tiles(impl, causal):
+  """ALiBi with a bias and no mask over several tiles: on the kernels the tiles inside the valid rectangle take
+  the backward's interior path (no selects) with the ALiBi term in their scores."""
+  rng = np.random.default_rng(130 + causal)
+  p = random_problem(rng, b=2, t=300, s=290, n=4, k=2, q_len=[300, 203], kv_len=[290, 270], causal=causal,
+                     bottom_right=True, alibi=random_slopes(rng, (2, 4)))
+  p.bias = rng.standard_normal((1, 4, 300, 290))
+  contract(p, jnp.bfloat16, impl)
+
+
 @pytest.mark.parametrize("with_mask", [False, True], ids=["alone", "mask"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_alibi_without_bias_several_tiles(impl, with_mask, causal):

@@ -65,7 +65,7 @@ class AuxView(NamedTuple):
     row_range: cute.Tensor  # (Mx, 2)
     col_range: cute.Tensor  # (Nx, 2)
     flags: cutlass.Int32
-    width: cutlass.Int32  # S of the live mask / bias tensors (the placeholders are 1 wide)
+    width: cutlass.Int32  # S of the live mask / bias tensors (2^30 without either)
     slope: cutlass.Float32  # the head's ALiBi slope (0 without FLAG_ALIBI)
 
 
@@ -86,7 +86,11 @@ def view(mMask: cute.Tensor, mBias: cute.Tensor, mBias32: cute.Tensor, mTileMap:
             h = head
         return t[b, h, None, None]
 
-    width = cute.size(mBias32.shape[3])
+    # Without a mask or bias tensor (ALiBi alone) nothing is read and no key is past the width: 2^30 lets such
+    # tiles take the backward's interior path (tile_plain), where a placeholder's width of 1 kept them out.
+    width = cutlass.Int32(1 << 30)
+    if (flags & FLAG_BIAS32) != 0:
+        width = cute.size(mBias32.shape[3])
     if (flags & FLAG_BIAS) != 0:
         width = cute.size(mBias.shape[3])
     if (flags & FLAG_MASK) != 0:
@@ -156,10 +160,10 @@ def tile_class_vote(v: AuxView, e: cutlass.Int32, block_m: cutlass.Constexpr,
 
 @cute.jit
 def tile_plain(v: AuxView, cls: cutlass.Int32, k_end: cutlass.Int32) -> cutlass.Boolean:
-    """Whether the aux inputs leave a tile's scores as they are apart from the bias: its class is VISIBLE, no
-    ALiBi term, and its keys end (k_end) within the tensors' width.  With bounds.tile_interior, the backward's
-    interior path."""
-    return cls == VISIBLE and (v.flags & FLAG_ALIBI) == 0 and k_end <= v.width
+    """Whether the aux inputs hide no pair of a tile: its class is VISIBLE and its keys end (k_end) within the
+    tensors' width.  With bounds.tile_interior, the backward's interior path: the bias and the ALiBi term are
+    finite there, added to the scores (`scores`, `mask_scores`) before P is formed without selects."""
+    return cls == VISIBLE and k_end <= v.width
 
 
 @cute.jit

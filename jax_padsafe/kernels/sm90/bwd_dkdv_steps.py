@@ -214,7 +214,7 @@ class DKDVSteps:
                     t_mn = masking.acc_mn_view_sm90(acc_T)
                 n0_step = self.key_tile(n_block, slot) * BN
                 # The interior path (no softcap): the step's tile inside the valid rectangle with every pair
-                # visible (and, with aux inputs, VISIBLE, no ALiBi term): P^T and dS^T without per-score selects.
+                # visible (and, with aux inputs, VISIBLE): P^T and dS^T without per-score selects.
                 # Uniform over the warpgroup.
                 interior = None
                 if cutlass.const_expr(not self.has_softcap):
@@ -234,13 +234,13 @@ class DKDVSteps:
                 elif cutlass.const_expr(masked):
                     # Raw scores, -inf where the mask hides a pair (exp2(-inf) = 0), then the plain kernel's P^T
                     # with its score_mul (scale * log2 e).  The step's lse2 (read from shared memory each step)
-                    # takes the folded ALiBi term's query part (aux_scores.AlibiFold).  An interior tile is
-                    # VISIBLE without ALiBi: nothing for mask_scores to do.
+                    # takes the folded ALiBi term's query part (aux_scores.AlibiFold).  On an interior tile (VISIBLE)
+                    # mask_scores adds the ALiBi term only.
+                    aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, cls, 1, sc.map_group(1),
+                                           aux_scores.AlibiFold(lse2, -score_mul), (BM, BN))
                     if interior:
                         bwd_scores.probs_interior(s_mn, lse2, score_mul, 1)
                     else:
-                        aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, cls, 1,
-                                               sc.map_group(1), aux_scores.AlibiFold(lse2, -score_mul), (BM, BN))
                         bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right,
                                                     score_mul, cap_mul, need, 1, False)
                 else:

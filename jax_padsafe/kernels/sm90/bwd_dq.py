@@ -550,7 +550,7 @@ class BwdDQSm90(Sm90BwdBase):
             t_mn = masking.acc_mn_view_sm90(acc_T)
         need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
         # The interior path (no softcap): the tile inside the valid rectangle with every pair visible (and, with
-        # aux inputs, VISIBLE, no ALiBi term): P and dS without per-score selects.  Uniform over the CTA.
+        # aux inputs, VISIBLE): P and dS without per-score selects.  Uniform over the CTA.
         interior = None
         if cutlass.const_expr(not self.has_softcap):
             interior = bounds.tile_interior(m_block, BM, q_len, need)
@@ -568,15 +568,15 @@ class BwdDQSm90(Sm90BwdBase):
                                             right, score_mul, cap_mul, need, 0, True)
         elif cutlass.const_expr(self.aux == "mask"):
             # score_mul is the plain kernels' scale * log2(e); a hidden pair's -inf gives P = exp2(-inf) = 0.  The
-            # tile's lse2 takes the folded ALiBi term's query part (aux_scores.AlibiFold; +inf stays +inf).  An
-            # interior tile is VISIBLE without ALiBi: nothing for mask_scores to do.
+            # tile's lse2 takes the folded ALiBi term's query part (aux_scores.AlibiFold; +inf stays +inf).  On an
+            # interior tile (VISIBLE) mask_scores adds the ALiBi term only.
+            lse2_t = cute.make_rmem_tensor(lse2.layout, cutlass.Float32)
+            lse2_t.store(lse2.load())
+            aux_scores.mask_scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, cls, 0,
+                                   sc.map_group(0), aux_scores.AlibiFold(lse2_t, -score_mul), (BM, BN))
             if interior:
-                bwd_scores.probs_interior(s_mn, lse2, score_mul, 0)
+                bwd_scores.probs_interior(s_mn, lse2_t, score_mul, 0)
             else:
-                lse2_t = cute.make_rmem_tensor(lse2.layout, cutlass.Float32)
-                lse2_t.store(lse2.load())
-                aux_scores.mask_scores(s_mn, cS_mn, view, m_block * BM, n_block * BN, q_len, k_len, cls, 0,
-                                       sc.map_group(0), aux_scores.AlibiFold(lse2_t, -score_mul), (BM, BN))
                 bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2_t, m_block * BM, n_block * BN, k_len, off, left,
                                             right, score_mul, cap_mul, need, 0, False)
         else:
