@@ -17,9 +17,10 @@ pair run:
   statistics loaded, under the current pair's GEMMs (a pair's work is short: its latencies, not its FLOPs, set
   the pace).
 * A pair whose tile lies wholly inside its valid rectangle, with every cell visible (no mask cell hides one, no
-  window or causal edge crosses it) and no ALiBi term, takes a path without tests or selects
-  (`interior_probs`, `interior_dscores`): the score FFMA and P as the general path forms them, and dS added to
-  the accumulator in one FFMA; no cell there needs a select (its Q, dO, K and V rows are all valid).  The
+  window or causal edge crosses it: bounds.tile_interior, aux_scores.tile_plain) and no ALiBi term, takes a path
+  without tests or selects: the score FFMA as the general path forms it, P from bwd_scores.probs_exact_interior,
+  and dS added to the accumulator as it is formed; no cell there needs a select (its Q, dO, K and V rows are all
+  valid).  The
   general path's per-cell tests and selects took the pair loop to 749 instructions per warp at hd64, the
   interior path 419 (H200 profile, 2026-11-29).  Which path a pair takes depends on its lengths and the mask's
   block summary only, so poison in the padding changes no bit.
@@ -359,12 +360,16 @@ class BwdDBiasSm90:
             cls = aux_scores.tile_class(view, m_block, n_block, BM, BN)
             need = bounds.tile_needs_mask(n_block, m_block, BM, BN, q_len, k_len, off, left, right)
             # Uniform over the CTA: the whole tile inside the pair's valid rectangle (and the bias's columns),
-            # every cell visible, no ALiBi term.
-            interior = (m0 + BM <= q_len and n0 + BN <= cutlass.min(k_len, view.width) and not need
-                        and cls == aux_scores.VISIBLE and (aux_flags & aux_scores.FLAG_ALIBI) == 0)
+            # every cell visible (the backward's interior path), and no ALiBi term: its scores are the bias FFMA.
+            interior = (bounds.tile_interior(m_block, BM, q_len, need) and aux_scores.tile_plain(view, cls, n0 + BN)
+                        and (aux_flags & aux_scores.FLAG_ALIBI) == 0)
             warpgroup.wait_group(1)
             if interior:
-                self.interior_probs(s_mn, bias_mn, row_max, log_sum2, score_mul)
+                # The score FFMA as aux_scores.scores forms it inside the rectangle, without its tests.
+                for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                        s_mn[r, c] = cute.math.fma(s_mn[r, c], score_mul, bias_mn[r, c])
+                bwd_scores.probs_exact_interior(s_mn, row_max, log_sum2, 0)
             else:
                 # Natural-unit scores, then P with the visibility rule; a HIDDEN tile inside the range gives P = 0.
                 aux_scores.scores(s_mn, cS_mn, view, m0, n0, q_len, k_len, score_mul, cls, 0, bias_mn,
@@ -375,36 +380,16 @@ class BwdDBiasSm90:
             pipe.consumer_release(state)
             state.advance()
             if interior:
-                self.interior_dscores(s_mn, dp_mn, db_mn, delta)
+                # dbias += dS in one FFMA per cell (dscores_interior's dS, added as it is formed).
+                for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                        db_mn[r, c] = db_mn[r, c] + s_mn[r, c] * (dp_mn[r, c] - delta[r])
             else:
                 # dS = P * (dP - Delta), 0 by select wherever P = 0 (no softcap in the aux kinds).
                 bwd_scores.dscores(s_mn, dp_mn, dp_mn, delta, 0, False)
                 acc_dB.store(acc_dB.load() + acc_dP.load())
             p = q
         return state
-
-    @cute.jit
-    def interior_probs(self, s_mn, bias_mn, row_max, log_sum2, score_mul):
-        """P of a tile inside the valid rectangle with every cell visible: the score FFMA and
-        P = exp2((s - m) * log2(e) - ln l * log2(e)) as aux_scores.scores and bwd_scores.probs_exact form them,
-        without their tests.  A row the forward found empty (every score -inf: log_sum2 = +inf) takes m = +inf,
-        so its P is exp2(-inf) = 0 as probs_exact's select gives it."""
-        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            m = row_max[r]
-            if log_sum2[r] == cutlass.Float32.inf:
-                m = cutlass.Float32.inf
-            l2 = log_sum2[r]
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                s = cute.math.fma(s_mn[r, c], score_mul, bias_mn[r, c])
-                s_mn[r, c] = cute.math.exp2((s - m) * bwd_scores.LOG2_E - l2, fastmath=True)
-
-    @cute.jit
-    def interior_dscores(self, p_mn, dp_mn, db_mn, delta):
-        """db += P * (dP - Delta) without the P = 0 select: inside the valid rectangle dP is finite (its dO and V
-        rows are valid), so P = 0 gives dS = 0 by arithmetic."""
-        for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
-                db_mn[r, c] = db_mn[r, c] + p_mn[r, c] * (dp_mn[r, c] - delta[r])
 
     @cute.jit
     def load_stats(self, p, args: dbias_pairs.Pairs, mRowMax, mLogSum, mDelta, m0, cS_mn, raw_max, raw_log_sum,
