@@ -287,7 +287,8 @@ def _compile_bwd(v: Variant, out: str) -> dict:
         # The constructors take (dtype, head_dim, block_m, block_n, stages, softcap): the tile's third entry is
         # a stage count here.
         passes = {"dkdv": BwdDKDVSm90(dt, H, bm, bn, nt, v.softcap, pin_waits=t.bwd_pin_waits,
-                                      queue_dense=t.dkdv_queue_dense, **_aux_kw(v))}
+                                      queue_dense=t.dkdv_queue_dense, steps_ahead=t.dkdv_steps_ahead,
+                                      **_aux_kw(v))}
         dq_kernel = BwdDQSm90(dt, H, bm_q, bn_q, nt_q, v.softcap, pin_waits=t.bwd_pin_waits,
                               queue_dense=t.dq_queue_dense, **_aux_kw(v))
     else:

@@ -69,6 +69,10 @@ class Sm90Tuning:
     # tile); the FFI handler then zeroes that kernel's tile counter on every call (the registry's queue_all).
     dkdv_queue_dense: bool = False
     dq_queue_dense: bool = False
+    # Backward, plain dK/dV kernel: the next step's S^T and dP^T issued right after the current step's dK GEMM
+    # (bwd_dkdv_ahead.py).  H200, 2026-11-29: backward +4-7% at hd64, +1-4% at hd80; hd96 within noise; hd128 -3%
+    # at S=8192 with S^T alone issued ahead (with both, ptxas serialised every wgmma for lack of registers).
+    dkdv_steps_ahead: bool = False
 
 
 # Measurements: H100 SXM, CUDA 13.0, nvidia-cutlass-dsl 4.8.1, 2026-11 (benchmarks/README.md for the current
@@ -110,9 +114,9 @@ TUNING = {
     },
     "sm90": {
         64: Sm90Tuning(fwd=(128, 128, 2), dkdv=(64, 128, 2), dq=(128, 64, 2), fwd_prefetch_next_tile=True,
-                       dq_queue_dense=True),
+                       dq_queue_dense=True, dkdv_steps_ahead=True),
         80: Sm90Tuning(fwd=(128, 128, 2), dkdv=(64, 128, 2), dq=(128, 64, 2), fwd_prefetch_next_tile=True,
-                       fwd_pin_pv_wait=True, fwd_rescale_o_early=True, dq_queue_dense=True),
+                       fwd_pin_pv_wait=True, fwd_rescale_o_early=True, dq_queue_dense=True, dkdv_steps_ahead=True),
         96: Sm90Tuning(fwd=(128, 128, 2), dkdv=(64, 128, 2), dq=(128, 64, 2), fwd_prefetch_next_tile=True),
         128: Sm90Tuning(fwd=(128, 128, 2), dkdv=(64, 128, 2), dq=(128, 64, 2), fwd_pin_pv_wait=True,
                         fwd_rescale_o_early=True, bwd_pin_waits=True, dkdv_queue_dense=True, dq_queue_dense=True),

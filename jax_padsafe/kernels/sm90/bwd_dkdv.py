@@ -10,10 +10,11 @@ from ..common import aux_scores, bias_stage, bounds, tile_queue, tile_schedule, 
 from . import bwd_aux
 from . import common as sc
 from .bwd_base import Sm90BwdBase
+from .bwd_dkdv_ahead import PlainStepsAhead
 from .bwd_dkdv_steps import DKDVSteps
 
 
-class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
+class BwdDKDVSm90(Sm90BwdBase, DKDVSteps, PlainStepsAhead):
     """dK, dV for one key tile (all query heads of its GQA group), in one of two warpgroup splits:
 
     * block_n = 128 (head dims up to 128): each consumer warpgroup owns 64 keys: its own S^T / dP^T rows and
@@ -32,7 +33,7 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         return super().__new__(cls)
 
     def __init__(self, dtype, head_dim: int, block_m: int, block_n: int, num_stages: int, has_softcap: bool, *,
-                 pin_waits: bool, queue_dense: bool, aux=False):
+                 pin_waits: bool, queue_dense: bool, steps_ahead: bool = False, aux=False):
         super().__init__(dtype, head_dim, block_m, block_n, num_stages, has_softcap, aux)
         assert block_n in (64, 128)
         # Every layout takes the queued compact schedule, dense ones too (see bwd_base); the
@@ -46,6 +47,9 @@ class BwdDKDVSm90(Sm90BwdBase, DKDVSteps):
         # ptxas sinks those conversions below the wait, between the dV wgmmas that read them.
         self.pin_waits = pin_waits
         self.split_head_dim = block_n == 64
+        # The plain kind's steps with the next step's S^T and dP^T issued under the current dK (`plain_steps_ahead`,
+        # a tuning choice per head dim); else each step waits for its dK first.
+        self.steps_ahead = steps_ahead and not self.split_head_dim and not has_softcap and not aux
         # "bias": each consumer warpgroup stages its 64 keys x block_m queries of the next step's bias in shared
         # memory a step ahead (common/bias_stage.py), in two buffers where they fit (34 KB at 64 x 128: head dims
         # up to 96), else in one (17 KB: head dim 128, where the kernel already takes 192 KB); not with the

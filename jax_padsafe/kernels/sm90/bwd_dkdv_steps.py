@@ -125,180 +125,186 @@ class DKDVSteps:
         if cutlass.const_expr(aux_tile is None):
             head = head_kv * group
             m_block = m_min
-        for it in cutlass.range(total, unroll=1):
-            m0 = m_block * BM
-            par = it % 2
-            if t_wg < 2 * BM:
-                if cutlass.const_expr(not exact):
-                    sStat[stat_row, stat_kind, par, wg] = self.stat_finish(stat, stat_kind)
+        if cutlass.const_expr(self.steps_ahead and aux_tile is None):
+            state = self.plain_steps_ahead(sStat, sQ, sdO, pipe_q, mLSE, mDelta, mma_s0, mma_s, mma_kv, tSrK, tSrV,
+                                           tSrQ, tSrdO, tKrQt, tVrdOt, acc_dK, acc_dV, rP, rdS, tPrP, tPrdS, cS_mn,
+                                           lse2, delta, s_shape, stat, n_block, slot, head, m_block, m_min, n_m, total,
+                                           tb, score_mul, cap_mul, state)
+        else:
+            for it in cutlass.range(total, unroll=1):
+                m0 = m_block * BM
+                par = it % 2
+                if t_wg < 2 * BM:
+                    if cutlass.const_expr(not exact):
+                        sStat[stat_row, stat_kind, par, wg] = self.stat_finish(stat, stat_kind)
+                    else:
+                        st_a, st_b = bwd_aux.stat_finish(stat[0], stat[1], stat_kind)
+                        sStat[stat_row, stat_kind, par, wg] = st_a
+                        if stat_kind == 0:
+                            sStat[stat_row, 2, par, wg] = st_b
+                cute.arch.barrier(barrier_id=BAR_WG_BASE + wg, number_of_threads=128)
+                next_head = head
+                next_m = m_block + 1
+                next_hi = m_hi
+                if cutlass.const_expr(aux_tile is None):
+                    if next_m == m_min + n_m:
+                        next_m = m_min
+                        next_head = head + 1
                 else:
-                    st_a, st_b = bwd_aux.stat_finish(stat[0], stat[1], stat_kind)
-                    sStat[stat_row, stat_kind, par, wg] = st_a
-                    if stat_kind == 0:
-                        sStat[stat_row, 2, par, wg] = st_b
-            cute.arch.barrier(barrier_id=BAR_WG_BASE + wg, number_of_threads=128)
-            next_head = head
-            next_m = m_block + 1
-            next_hi = m_hi
-            if cutlass.const_expr(aux_tile is None):
-                if next_m == m_min + n_m:
-                    next_m = m_min
-                    next_head = head + 1
-            else:
-                next_head, next_m, next_hi = self.aux_next(aux_tile, head_kv, group, self.key_tile(n_block, slot),
-                                                           m_min, head, m_block, m_hi)
-            if it + 1 < total:
-                # Issued a step ahead; nothing reads the loaded values before the next step's store.
-                if cutlass.const_expr(not exact):
-                    stat = self.stat_load(mLSE, mDelta, next_head, q_start, q_len, next_m * BM + stat_row, stat_kind)
+                    next_head, next_m, next_hi = self.aux_next(aux_tile, head_kv, group, self.key_tile(n_block, slot),
+                                                               m_min, head, m_block, m_hi)
+                if it + 1 < total:
+                    # Issued a step ahead; nothing reads the loaded values before the next step's store.
+                    if cutlass.const_expr(not exact):
+                        stat = self.stat_load(mLSE, mDelta, next_head, q_start, q_len, next_m * BM + stat_row, stat_kind)
+                    else:
+                        stat = bwd_aux.stat_load(aux_tile[0], mDelta, next_head, q_start, q_len, next_m * BM + stat_row,
+                                                 stat_kind)
+                # Aux: the step's view (its query head's mask and bias).
+                view = None
+                if cutlass.const_expr(aux_tile is not None):
+                    view = bwd_aux.view(aux_tile[0], aux_tile[1], head)
+                pipe_q.consumer_wait(state)
+                stage = state.index
+                if m0 + BM > q_len:
+                    # Query rows past q_len: zeros before any GEMM reads the stage (0 * NaN = NaN otherwise).
+                    sc.zero_rows_from(dt, BM, HD, sQ[None, None, stage], q_len - m0, tidx % 128, BAR_WG_BASE + wg)
+                    sc.zero_rows_from(dt, BM, HD, sdO[None, None, stage], q_len - m0, tidx % 128, BAR_WG_BASE + wg)
+                if cutlass.const_expr(self.split_head_dim):
+                    self.exchange_step(wg, tidx % 128, stage, par, sStat, sdQ, sdS, copy_px, copy_dsx, mma_s0, mma_s,
+                                       mma_kv, tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, acc_dK, acc_dV, rP, rdS, tPrP,
+                                       tPrdS, cS_mn, lse2, delta, s_shape, self.key_tile(n_block, slot), m_block,
+                                       q_len, k_len, off, left, right, score_mul, cap_mul, view, row_max)
                 else:
-                    stat = bwd_aux.stat_load(aux_tile[0], mDelta, next_head, q_start, q_len, next_m * BM + stat_row,
-                                             stat_kind)
-            # Aux: the step's view (its query head's mask and bias).
-            view = None
-            if cutlass.const_expr(aux_tile is not None):
-                view = bwd_aux.view(aux_tile[0], aux_tile[1], head)
-            pipe_q.consumer_wait(state)
-            stage = state.index
-            if m0 + BM > q_len:
-                # Query rows past q_len: zeros before any GEMM reads the stage (0 * NaN = NaN otherwise).
-                sc.zero_rows_from(dt, BM, HD, sQ[None, None, stage], q_len - m0, tidx % 128, BAR_WG_BASE + wg)
-                sc.zero_rows_from(dt, BM, HD, sdO[None, None, stage], q_len - m0, tidx % 128, BAR_WG_BASE + wg)
-            if cutlass.const_expr(self.split_head_dim):
-                self.exchange_step(wg, tidx % 128, stage, par, sStat, sdQ, sdS, copy_px, copy_dsx, mma_s0, mma_s,
-                                   mma_kv, tSrK, tSrV, tSrQ, tSrdO, tVrdOt, tKrQt, acc_dK, acc_dV, rP, rdS, tPrP,
-                                   tPrdS, cS_mn, lse2, delta, s_shape, self.key_tile(n_block, slot), m_block,
-                                   q_len, k_len, off, left, right, score_mul, cap_mul, view, row_max)
-            else:
-                # The key tile (key_tile) is read before the GEMMs are issued: read after them, the shared-memory
-                # load queued behind the GEMMs' operand reads and its first use stalled.
-                n_step = self.key_tile(n_block, slot)
-                acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-                sc.gemm(mma_s0, mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True)
-                acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-                sc.gemm(mma_s0, mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True)
-                # Shared-memory reads of the row statistics before the waits, so their latency hides under the
-                # GEMMs (Nsight Compute on an H100: read after the wait, the exp2's FFMA stalled on them).  With
-                # softcap they stay after the waits: that kernel spills either way (ptxas 152 B of stack, early
-                # or late), and early reads were not timed there.  The aux variant reads them after its scores
-                # (below): held through aux_scores.scores, lse2 and m (2 x 16 registers) made ptxas spill inside
-                # the step (208 B at hd128, sm_90a), and 28 B outside it when read after.  The mask kind reads
-                # lse2 and Delta where the plain kernel does: it holds one statistic, not two, and at hd128 ptxas
-                # spills 72 B with lse2 read early, 88 B with it read after mask_scores (sm_90a, 2026-11-28).
-                early_stats = not self.has_softcap and not exact
-                if cutlass.const_expr(early_stats):
-                    for x in cutlass.range_constexpr(n_cols):
-                        lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
-                need = bounds.tile_needs_mask(n_step, m_block, BM, BN, q_len, k_len, off, left, right)
-                cls = None
-                if cutlass.const_expr(view is not None):
-                    # Aux: the load half of the tile's mask class, issued under the GEMMs (every lane of each warp
-                    # takes part, as tile_class needs); the vote comes after the wait for S^T.
-                    cls = aux_scores.tile_class_entry(view, m_block, n_step, BM, BN)
-                warpgroup.wait_group(1)
-                if cutlass.const_expr(view is not None):
-                    # The vote reads the entry OR'ed with (a score's bits & a run-time 0), so ptxas cannot hoist it
-                    # above the wait: voting right after the load stalled each warp on the load's latency
-                    # (SASS: the VOTE.ALL pair sat before WARPGROUP.DEPBAR, the forward's fwd_aux.tile_class_entry
-                    # says what that cost there).
-                    opaque_zero = cute.size(mLSE.shape[1]) >> 30  # total query rows < 2^30
-                    cls = aux_scores.tile_class_vote(
-                        view, cls | (cute.recast_tensor(acc_S, cutlass.Int32)[0] & opaque_zero), BM, BN)
-                if cutlass.const_expr(not early_stats and view is None):
-                    for x in cutlass.range_constexpr(n_cols):
-                        lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
-                s_mn = masking.acc_mn_view_sm90(acc_S)
-                t_mn = s_mn
-                if cutlass.const_expr(self.has_softcap):
-                    acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-                    t_mn = masking.acc_mn_view_sm90(acc_T)
-                n0_step = self.key_tile(n_block, slot) * BN
-                # The interior path (no softcap): the step's tile inside the valid rectangle with every pair
-                # visible (and, with aux inputs, VISIBLE): P^T and dS^T without per-score selects.
-                # Uniform over the warpgroup.
-                interior = None
-                if cutlass.const_expr(not self.has_softcap):
-                    interior = bounds.tile_interior(m_block, BM, q_len, need)
+                    # The key tile (key_tile) is read before the GEMMs are issued: read after them, the shared-memory
+                    # load queued behind the GEMMs' operand reads and its first use stalled.
+                    n_step = self.key_tile(n_block, slot)
+                    acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                    sc.gemm(mma_s0, mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+                    acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                    sc.gemm(mma_s0, mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True)
+                    # Shared-memory reads of the row statistics before the waits, so their latency hides under the
+                    # GEMMs (Nsight Compute on an H100: read after the wait, the exp2's FFMA stalled on them).  With
+                    # softcap they stay after the waits: that kernel spills either way (ptxas 152 B of stack, early
+                    # or late), and early reads were not timed there.  The aux variant reads them after its scores
+                    # (below): held through aux_scores.scores, lse2 and m (2 x 16 registers) made ptxas spill inside
+                    # the step (208 B at hd128, sm_90a), and 28 B outside it when read after.  The mask kind reads
+                    # lse2 and Delta where the plain kernel does: it holds one statistic, not two, and at hd128 ptxas
+                    # spills 72 B with lse2 read early, 88 B with it read after mask_scores (sm_90a, 2026-11-28).
+                    early_stats = not self.has_softcap and not exact
+                    if cutlass.const_expr(early_stats):
+                        for x in cutlass.range_constexpr(n_cols):
+                            lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
+                    need = bounds.tile_needs_mask(n_step, m_block, BM, BN, q_len, k_len, off, left, right)
+                    cls = None
                     if cutlass.const_expr(view is not None):
-                        interior = interior and aux_scores.tile_plain(view, cls, n0_step + BN)
-                if cutlass.const_expr(view is None):
-                    if cutlass.const_expr(interior is not None):
+                        # Aux: the load half of the tile's mask class, issued under the GEMMs (every lane of each warp
+                        # takes part, as tile_class needs); the vote comes after the wait for S^T.
+                        cls = aux_scores.tile_class_entry(view, m_block, n_step, BM, BN)
+                    warpgroup.wait_group(1)
+                    if cutlass.const_expr(view is not None):
+                        # The vote reads the entry OR'ed with (a score's bits & a run-time 0), so ptxas cannot hoist it
+                        # above the wait: voting right after the load stalled each warp on the load's latency
+                        # (SASS: the VOTE.ALL pair sat before WARPGROUP.DEPBAR, the forward's fwd_aux.tile_class_entry
+                        # says what that cost there).
+                        opaque_zero = cute.size(mLSE.shape[1]) >> 30  # total query rows < 2^30
+                        cls = aux_scores.tile_class_vote(
+                            view, cls | (cute.recast_tensor(acc_S, cutlass.Int32)[0] & opaque_zero), BM, BN)
+                    if cutlass.const_expr(not early_stats and view is None):
+                        for x in cutlass.range_constexpr(n_cols):
+                            lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
+                    s_mn = masking.acc_mn_view_sm90(acc_S)
+                    t_mn = s_mn
+                    if cutlass.const_expr(self.has_softcap):
+                        acc_T = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                        t_mn = masking.acc_mn_view_sm90(acc_T)
+                    n0_step = self.key_tile(n_block, slot) * BN
+                    # The interior path (no softcap): the step's tile inside the valid rectangle with every pair
+                    # visible (and, with aux inputs, VISIBLE): P^T and dS^T without per-score selects.
+                    # Uniform over the warpgroup.
+                    interior = None
+                    if cutlass.const_expr(not self.has_softcap):
+                        interior = bounds.tile_interior(m_block, BM, q_len, need)
+                        if cutlass.const_expr(view is not None):
+                            interior = interior and aux_scores.tile_plain(view, cls, n0_step + BN)
+                    if cutlass.const_expr(view is None):
+                        if cutlass.const_expr(interior is not None):
+                            if interior:
+                                bwd_scores.probs_interior(s_mn, lse2, score_mul, 1)
+                            else:
+                                bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left,
+                                                            right, score_mul, cap_mul, need, 1, False)
+                        else:
+                            bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right,
+                                                        score_mul, cap_mul, need, 1, True)
+                    elif cutlass.const_expr(masked):
+                        # Raw scores, -inf where the mask hides a pair (exp2(-inf) = 0), then the plain kernel's P^T
+                        # with its score_mul (scale * log2 e).  The step's lse2 (read from shared memory each step)
+                        # takes the folded ALiBi term's query part (aux_scores.AlibiFold).  On an interior tile (VISIBLE)
+                        # mask_scores adds the ALiBi term only.
+                        aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, cls, 1, sc.map_group(1),
+                                               aux_scores.AlibiFold(lse2, -score_mul), (BM, BN))
                         if interior:
                             bwd_scores.probs_interior(s_mn, lse2, score_mul, 1)
                         else:
-                            bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left,
-                                                        right, score_mul, cap_mul, need, 1, False)
+                            bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right,
+                                                        score_mul, cap_mul, need, 1, False)
                     else:
-                        bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right,
-                                                    score_mul, cap_mul, need, 1, True)
-                elif cutlass.const_expr(masked):
-                    # Raw scores, -inf where the mask hides a pair (exp2(-inf) = 0), then the plain kernel's P^T
-                    # with its score_mul (scale * log2 e).  The step's lse2 (read from shared memory each step)
-                    # takes the folded ALiBi term's query part (aux_scores.AlibiFold).  On an interior tile (VISIBLE)
-                    # mask_scores adds the ALiBi term only.
-                    aux_scores.mask_scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, cls, 1, sc.map_group(1),
-                                           aux_scores.AlibiFold(lse2, -score_mul), (BM, BN))
-                    if interior:
-                        bwd_scores.probs_interior(s_mn, lse2, score_mul, 1)
+                        # Natural-unit scores with the mask (-inf) and the bias, then P^T from m and ln l; the
+                        # visibility rule applies after, inside probs_exact, as in the plain kernel.  ln l * log2 e
+                        # and m are read only now (register pressure, see early_stats).
+                        staged = None
+                        two = False
+                        if cutlass.const_expr(bias_st is not None):
+                            two = bias_stage.buffer_count(bias_st) == 2
+                            staged = bias_st._replace(parity=par if two else 0)
+                        aux_scores.scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, score_mul, cls, 1, staged=staged,
+                                          map_group=sc.map_group(1))
+                        if cutlass.const_expr(bias_st is not None):
+                            if it + 1 < total:
+                                if cutlass.const_expr(not two):
+                                    # One buffer: every thread of the warpgroup has read it before anyone overwrites it.
+                                    cute.arch.barrier(barrier_id=bias_st.barrier, number_of_threads=128)
+                                aux_scores.stage_bias(bias_st._replace(parity=1 - par if two else 0),
+                                                      bwd_aux.view(aux_tile[0], aux_tile[1], next_head), next_m * BM,
+                                                      n0_step, q_len, k_len, tidx % 128)
+                        for x in cutlass.range_constexpr(n_cols):
+                            row_max[x] = sStat[cS_mn[0, x][1], 2, par, wg]
+                        for x in cutlass.range_constexpr(n_cols):
+                            lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
+                        if interior:
+                            bwd_scores.probs_exact_interior(s_mn, row_max, lse2, 1)
+                        else:
+                            bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m0, n0_step, k_len, off, left, right,
+                                                   need, 1)
+                    rP.store(acc_S.load().to(dt))
+                    if cutlass.const_expr(early_stats):
+                        for x in cutlass.range_constexpr(n_cols):
+                            delta[x] = sStat[cS_mn[0, x][1], 1, par, wg]
+                    if cutlass.const_expr(self.pin_waits):
+                        sc.wgmma_wait_after(rP, cute.size(mLSE.shape[1]) >> 30, 0)  # total query rows < 2^30
+                    warpgroup.wait_group(0)
+                    if cutlass.const_expr(not early_stats):
+                        for x in cutlass.range_constexpr(n_cols):
+                            delta[x] = sStat[cS_mn[0, x][1], 1, par, wg]
+                    # dV += P^T dO runs while dS^T is formed.
+                    sc.gemm(mma_kv, mma_kv, acc_dV, tPrP, tVrdOt[None, None, None, stage], False)
+                    if cutlass.const_expr(interior is not None):
+                        if interior:
+                            bwd_scores.dscores_interior(s_mn, masking.acc_mn_view_sm90(acc_dP), delta, 1)
+                        else:
+                            bwd_scores.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 1, False)
                     else:
-                        bwd_scores.probs_and_dscale(s_mn, t_mn, cS_mn, lse2, m0, n0_step, k_len, off, left, right,
-                                                    score_mul, cap_mul, need, 1, False)
-                else:
-                    # Natural-unit scores with the mask (-inf) and the bias, then P^T from m and ln l; the
-                    # visibility rule applies after, inside probs_exact, as in the plain kernel.  ln l * log2 e
-                    # and m are read only now (register pressure, see early_stats).
-                    staged = None
-                    two = False
-                    if cutlass.const_expr(bias_st is not None):
-                        two = bias_stage.buffer_count(bias_st) == 2
-                        staged = bias_st._replace(parity=par if two else 0)
-                    aux_scores.scores(s_mn, cS_mn, view, m0, n0_step, q_len, k_len, score_mul, cls, 1, staged=staged,
-                                      map_group=sc.map_group(1))
-                    if cutlass.const_expr(bias_st is not None):
-                        if it + 1 < total:
-                            if cutlass.const_expr(not two):
-                                # One buffer: every thread of the warpgroup has read it before anyone overwrites it.
-                                cute.arch.barrier(barrier_id=bias_st.barrier, number_of_threads=128)
-                            aux_scores.stage_bias(bias_st._replace(parity=1 - par if two else 0),
-                                                  bwd_aux.view(aux_tile[0], aux_tile[1], next_head), next_m * BM,
-                                                  n0_step, q_len, k_len, tidx % 128)
-                    for x in cutlass.range_constexpr(n_cols):
-                        row_max[x] = sStat[cS_mn[0, x][1], 2, par, wg]
-                    for x in cutlass.range_constexpr(n_cols):
-                        lse2[x] = sStat[cS_mn[0, x][1], 0, par, wg]
-                    if interior:
-                        bwd_scores.probs_exact_interior(s_mn, row_max, lse2, 1)
-                    else:
-                        bwd_scores.probs_exact(s_mn, cS_mn, row_max, lse2, m0, n0_step, k_len, off, left, right,
-                                               need, 1)
-                rP.store(acc_S.load().to(dt))
-                if cutlass.const_expr(early_stats):
-                    for x in cutlass.range_constexpr(n_cols):
-                        delta[x] = sStat[cS_mn[0, x][1], 1, par, wg]
-                if cutlass.const_expr(self.pin_waits):
-                    sc.wgmma_wait_after(rP, cute.size(mLSE.shape[1]) >> 30, 0)  # total query rows < 2^30
+                        bwd_scores.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 1, self.has_softcap)
+                    rdS.store(acc_dP.load().to(dt))
+                    sc.gemm(mma_kv, mma_kv, acc_dK, tPrdS, tKrQt[None, None, None, stage], False)
                 warpgroup.wait_group(0)
-                if cutlass.const_expr(not early_stats):
-                    for x in cutlass.range_constexpr(n_cols):
-                        delta[x] = sStat[cS_mn[0, x][1], 1, par, wg]
-                # dV += P^T dO runs while dS^T is formed.
-                sc.gemm(mma_kv, mma_kv, acc_dV, tPrP, tVrdOt[None, None, None, stage], False)
-                if cutlass.const_expr(interior is not None):
-                    if interior:
-                        bwd_scores.dscores_interior(s_mn, masking.acc_mn_view_sm90(acc_dP), delta, 1)
-                    else:
-                        bwd_scores.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 1, False)
-                else:
-                    bwd_scores.dscores(s_mn, masking.acc_mn_view_sm90(acc_dP), t_mn, delta, 1, self.has_softcap)
-                rdS.store(acc_dP.load().to(dt))
-                sc.gemm(mma_kv, mma_kv, acc_dK, tPrdS, tKrQt[None, None, None, stage], False)
-            warpgroup.wait_group(0)
-            pipe_q.consumer_release(state)
-            state.advance()
-            head = next_head
-            m_block = next_m
-            if cutlass.const_expr(aux_tile is not None):
-                m_hi = next_hi
+                pipe_q.consumer_release(state)
+                state.advance()
+                head = next_head
+                m_block = next_m
+                if cutlass.const_expr(aux_tile is not None):
+                    m_hi = next_hi
 
         # Epilogue: dK (times the softmax scale) and dV through sK / sV, or the staging tiles (every consumer's
         # GEMMs are complete after the barrier; with staging tiles it also orders this tile's writes after the
